@@ -1,0 +1,145 @@
+"""``sagejax.attention``: the public entry point."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from sagejax import _inputs, _vjp, backends
+from sagejax.config import ConfigLike, SageConfig, resolve_config
+from sagejax.masks import CausalAlignment, MaskSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything about a call that is not an array (hashable)."""
+  config: SageConfig
+  spec: MaskSpec
+  sm_scale: float
+  backend: str
+
+
+def _call_of(static: _Static, q, k, v, bias, mask, q_lengths, kv_lengths):
+  return _inputs.ParsedCall(q=q, k=k, v=v, bias=bias, mask=mask,
+                            q_lengths=q_lengths, kv_lengths=kv_lengths,
+                            spec=static.spec, sm_scale=static.sm_scale,
+                            layout="BNTH", unbatched=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sage_attention(static: _Static, q, k, v, bias, mask, q_lengths,
+                    kv_lengths):
+  out, lse = _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths)
+  return out, lse
+
+
+def _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths):
+  backend = backends.registry()[static.backend]
+  call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
+  out, lse = backend.forward(call, static.config)
+  return out.astype(q.dtype), lse
+
+
+def _sage_attention_fwd(static, q, k, v, bias, mask, q_lengths, kv_lengths):
+  out, lse = _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths)
+  res = (q, k, v, bias, mask, q_lengths, kv_lengths)
+  return (out, lse), res
+
+
+def _sage_attention_bwd(static, res, cotangents):
+  q, k, v, bias, mask, q_lengths, kv_lengths = res
+  d_out, d_lse = cotangents
+  dq, dk, dv, dbias = _vjp.attention_backward(
+      q, k, v, bias, mask, q_lengths, kv_lengths, d_out, d_lse,
+      static.spec, static.sm_scale)
+  return dq, dk, dv, dbias, None, None, None
+
+
+_sage_attention.defvjp(_sage_attention_fwd, _sage_attention_bwd)
+
+
+def attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: Optional[jax.Array] = None,
+    mask: Optional[jax.Array] = None,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    causal_alignment: CausalAlignment = "top_left",
+    query_seq_lengths: Optional[jax.Array] = None,
+    key_value_seq_lengths: Optional[jax.Array] = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    config: ConfigLike = "sage2-8b",
+    layout: str = "BTNH",
+    implementation: Optional[str] = None,
+    return_lse: bool = False,
+):
+  """Quantized scaled dot-product attention (SageAttention).
+
+  A drop-in for :func:`jax.nn.dot_product_attention`: the same arguments,
+  shapes and mask semantics, computed with INT8/INT4 Q·Kᵀ and FP8 (or
+  FP16/BF16) P·V as ``config`` says.
+
+  Shapes (``layout="BTNH"``; ``"BNTH"`` swaps T and N)::
+
+    query [B, T, N, H], key and value [B, S, K, H], N a multiple of K (GQA/MQA;
+    K/V are never repeated in memory), mask and bias broadcastable to
+    [B, N, T, S]. 3-D inputs without B are accepted, as in JAX.
+
+  Args:
+    query, key, value: float16, bfloat16 or float32 arrays of one dtype; head
+      dims up to 256.
+    bias: optional additive bias on the logits (after ``scale``).
+    mask: optional boolean mask, True = attend.
+    scale: logit scale; default ``1/sqrt(H)``.
+    is_causal: causal masking; see ``causal_alignment``.
+    causal_alignment: ``"top_left"`` (JAX's: query ``i`` sees keys ``j <= i``)
+      or ``"bottom_right"`` (query ``i`` sees keys ``j <= i + S − T``, per batch
+      element from the sequence lengths when given: the last query sees every
+      key, as in KV-cache decoding and chunked prefill). Also places
+      ``local_window_size``'s window.
+    query_seq_lengths, key_value_seq_lengths: optional int ``[B]`` valid
+      lengths; padding tokens are excluded from attention and from the
+      quantization statistics. Padded query rows give zeros.
+    local_window_size: ``w`` or ``(left, right)``: query ``i`` sees keys ``j``
+      with ``i − left <= j <= i + right`` (shifted by the alignment's offset).
+    config: a :class:`SageConfig` or a preset name: ``"sage2-8b"`` (default;
+      INT8 per-thread Q·Kᵀ, FP8 P·V), ``"sage2-4b"``, ``"sage1"``.
+    layout: ``"BTNH"`` (JAX's) or ``"BNTH"``.
+    implementation: ``"xla"``, ``"pallas"``, or None to pick the fastest
+      backend available that serves the call (``"xla"`` serves all).
+    return_lse: also return the natural-log log-sum-exp, f32 ``[B, N, T]``.
+
+  Returns:
+    The output in ``query``'s dtype and layout; with ``return_lse``, the tuple
+    ``(output, lse)``. A row that sees no key at all (fully masked or
+    padding) gives zeros and LSE −inf (JAX's ``"xla"`` gives the mean of V for
+    a fully masked non-padding row).
+
+  Gradients: under ``jax.grad`` the backward is that of *exact* attention at
+  the same inputs (quantizers are straight-through): FP32, blockwise
+  (FlashAttention-2 style, no S×S matrix), with the softmax statistics
+  recomputed exactly rather than taken from the quantized forward. Gradients
+  flow to ``query``, ``key``, ``value``, ``bias`` and through the returned LSE.
+  """
+  cfg = resolve_config(config)
+  call = _inputs.parse(query, key, value, bias, mask, scale=scale,
+                       is_causal=is_causal, causal_alignment=causal_alignment,
+                       query_seq_lengths=query_seq_lengths,
+                       key_value_seq_lengths=key_value_seq_lengths,
+                       local_window_size=local_window_size, layout=layout)
+  backend = backends.select(implementation, call, cfg)
+  static = _Static(config=cfg, spec=call.spec, sm_scale=call.sm_scale,
+                   backend=backend.name)
+  out, lse = _sage_attention(static, call.q, call.k, call.v, call.bias,
+                             call.mask, call.q_lengths, call.kv_lengths)
+  out = call.to_user_layout(out)
+  if return_lse:
+    return out, call.lse_to_user(lse)
+  return out

@@ -1,0 +1,70 @@
+"""Attention backends: each turns a checked call into (output, LSE).
+
+A backend is a module-level object with ``name``, ``available()``,
+``unsupported(call, config)`` (None, or the reason it cannot serve the call)
+and ``forward(call, config)``. ``forward`` takes Q ``[B, N, T, H]`` and K, V
+``[B, K, S, H]`` (in :class:`sagejax._inputs.ParsedCall`) and returns the f32
+output ``[B, N, T, H]`` and the natural-log LSE f32 ``[B, N, T]``; it does its
+own quantization, mirroring :mod:`sagejax.quant`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Protocol
+
+import jax
+
+from sagejax._inputs import ParsedCall
+from sagejax.config import SageConfig
+
+
+class Backend(Protocol):
+  name: str
+
+  def available(self) -> bool: ...
+
+  def unsupported(self, call: ParsedCall, config: SageConfig
+                  ) -> Optional[str]: ...
+
+  def forward(self, call: ParsedCall, config: SageConfig
+              ) -> tuple[jax.Array, jax.Array]: ...
+
+
+@functools.cache
+def registry() -> dict[str, Backend]:
+  """Backends by name, fastest first (the order ``implementation=None`` tries)."""
+  from sagejax.backends import xla
+  backends: list[Backend] = []
+  try:
+    from sagejax.backends import pallas_triton
+    backends.append(pallas_triton.BACKEND)
+  except ImportError:  # pragma: no cover - Pallas missing from this jax build
+    pass
+  backends.append(xla.BACKEND)
+  return {b.name: b for b in backends}
+
+
+def select(name: Optional[str], call: ParsedCall, config: SageConfig
+           ) -> Backend:
+  """The backend named, or the first available one that serves the call."""
+  backends = registry()
+  if name is not None:
+    if name not in backends:
+      raise ValueError(f"Unknown implementation {name!r}: pass one of "
+                       f"{tuple(backends)} or None (pick automatically).")
+    backend = backends[name]
+    if not backend.available():
+      raise ValueError(f"implementation={name!r} is not available on this "
+                       f"machine ({jax.default_backend()}); pass "
+                       "implementation=None or 'xla'.")
+    reason = backend.unsupported(call, config)
+    if reason is not None:
+      raise ValueError(f"implementation={name!r} cannot serve this call: "
+                       f"{reason}. Pass implementation='xla', which serves "
+                       "every call.")
+    return backend
+  for backend in backends.values():
+    if backend.available() and backend.unsupported(call, config) is None:
+      return backend
+  raise AssertionError("the 'xla' backend serves every call")

@@ -1,0 +1,160 @@
+"""Quantization configuration: what is quantized, how, and at what granularity.
+
+A :class:`SageConfig` fixes the *math* of one SageAttention variant. It is
+frozen and hashable, so it can be passed as a static argument under
+``jax.jit``. Kernel tuning (tile sizes, warps, pipelining) lives with each
+backend, not here; ``block_q``, ``block_k`` and ``num_warps`` are part of the
+math because they define the quantization groups and the granularity of the
+two-level P·V accumulation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Union
+
+QKDtype = Literal["int8", "int4"]
+Granularity = Literal["per_block", "per_warp", "per_thread", "per_token"]
+PVDtype = Literal["fp8_e4m3", "fp16", "bf16"]
+PVAccumulation = Literal["fp32+fp32", "fp32"]
+
+QK_DTYPES = ("int8", "int4")
+GRANULARITIES = ("per_block", "per_warp", "per_thread", "per_token")
+PV_DTYPES = ("fp8_e4m3", "fp16", "bf16")
+PV_ACCUMULATIONS = ("fp32+fp32", "fp32")
+
+# Rows of a Q block that share a per-thread scale are those with the same
+# index mod THREAD_ROW_GROUPS inside a warp's rows (SageAttention2, A.6).
+THREAD_ROW_GROUPS = 8
+# Keys of a K block that share a per-thread scale: same (index mod 8) // 2.
+THREAD_KEY_PERIOD = 8
+THREAD_KEY_GROUPS = 4
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SageConfig:
+  """The quantization scheme of one SageAttention variant.
+
+  Attributes:
+    qk_dtype: integer type of the quantized Q and K: ``"int8"`` (±127) or
+      ``"int4"`` (±7, stored two values per byte).
+    qk_granularity: which tokens share a Q/K scale. ``"per_block"``: one scale
+      per Q block of ``block_q`` rows and per K block of ``block_k`` rows.
+      ``"per_warp"``: one per ``block_q // num_warps`` rows of a Q block (K stays
+      per block). ``"per_thread"``: SageAttention2 appendix A.6 groups, see
+      :func:`sagejax.quant.token_groups`. ``"per_token"``: one per row.
+    pv_dtype: operand type of the P·V product: ``"fp8_e4m3"`` (P with the static
+      scale 448, V per channel), ``"fp16"`` or ``"bf16"``.
+    pv_accumulation: ``"fp32+fp32"``: each KV block's P·V is computed on its own
+      and added into an FP32 accumulator (two-level); ``"fp32"``: the running
+      accumulator is fed to the block product directly. With FP8 operands the
+      Hopper/Ada MMA keeps only ~22 bits of it, which the ``"xla"`` oracle
+      emulates (13 mantissa bits, truncated, after each block).
+    smooth_k: subtract K's mean over tokens (exact: softmax is shift invariant).
+    smooth_q: subtract each Q block's mean; the correction ΔS = q̄·γ(K)ᵀ is
+      added back to the scores in full precision.
+    smooth_v: subtract V's mean over tokens; added back to the output.
+    block_q: rows of a Q block (quantization groups, kernel tile).
+    block_k: rows of a K block (quantization groups, accumulation block).
+    num_warps: warps that share a Q block (per-warp and per-thread groups).
+  """
+
+  qk_dtype: QKDtype = "int8"
+  qk_granularity: Granularity = "per_thread"
+  pv_dtype: PVDtype = "fp8_e4m3"
+  pv_accumulation: PVAccumulation = "fp32+fp32"
+  smooth_k: bool = True
+  smooth_q: bool = False
+  smooth_v: bool = False
+  block_q: int = 128
+  block_k: int = 64
+  num_warps: int = 4
+
+  def __post_init__(self):
+    def check(field, value, allowed):
+      if value not in allowed:
+        raise ValueError(
+            f"SageConfig.{field} must be one of {allowed}, got {value!r}.")
+
+    check("qk_dtype", self.qk_dtype, QK_DTYPES)
+    check("qk_granularity", self.qk_granularity, GRANULARITIES)
+    check("pv_dtype", self.pv_dtype, PV_DTYPES)
+    check("pv_accumulation", self.pv_accumulation, PV_ACCUMULATIONS)
+    for field in ("smooth_k", "smooth_q", "smooth_v"):
+      if not isinstance(getattr(self, field), bool):
+        raise ValueError(
+            f"SageConfig.{field} must be True or False, got "
+            f"{getattr(self, field)!r}.")
+    for field in ("block_q", "block_k", "num_warps"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or not _is_pow2(value):
+        raise ValueError(
+            f"SageConfig.{field} must be a power of two, got {value!r}.")
+    if self.num_warps > 8:
+      raise ValueError(
+          f"SageConfig.num_warps must be one of (1, 2, 4, 8), got "
+          f"{self.num_warps}.")
+    if self.block_q < 16 or self.block_k < 16:
+      raise ValueError(
+          "SageConfig.block_q and block_k must be at least 16, got "
+          f"block_q={self.block_q}, block_k={self.block_k}.")
+    if self.block_q % (self.num_warps * THREAD_ROW_GROUPS):
+      raise ValueError(
+          f"SageConfig.block_q={self.block_q} must be a multiple of "
+          f"num_warps * {THREAD_ROW_GROUPS} = "
+          f"{self.num_warps * THREAD_ROW_GROUPS} so that every warp owns whole "
+          "per-thread groups; pass a larger block_q or fewer num_warps.")
+
+  @property
+  def qmax(self) -> int:
+    """Largest magnitude of the symmetric integer grid (127 or 7)."""
+    return 127 if self.qk_dtype == "int8" else 7
+
+  @property
+  def rows_per_warp(self) -> int:
+    return self.block_q // self.num_warps
+
+  def replace(self, **changes) -> "SageConfig":
+    return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, SageConfig] = {
+    # SageAttention: INT8 per-block Q·Kᵀ, smoothed K, FP16 P·V.
+    "sage1": SageConfig(
+        qk_dtype="int8", qk_granularity="per_block", pv_dtype="fp16",
+        pv_accumulation="fp32", smooth_k=True),
+    # SageAttention2, 8-bit: INT8 per-thread Q·Kᵀ, FP8 P·V, two-level accum.
+    "sage2-8b": SageConfig(
+        qk_dtype="int8", qk_granularity="per_thread", pv_dtype="fp8_e4m3",
+        pv_accumulation="fp32+fp32", smooth_k=True),
+    # SageAttention2, 4-bit: INT4 per-thread Q·Kᵀ with smoothed Q and K.
+    "sage2-4b": SageConfig(
+        qk_dtype="int4", qk_granularity="per_thread", pv_dtype="fp8_e4m3",
+        pv_accumulation="fp32+fp32", smooth_k=True, smooth_q=True),
+}
+
+DEFAULT_PRESET = "sage2-8b"
+
+ConfigLike = Union[SageConfig, str]
+
+
+def resolve_config(config: ConfigLike | None) -> SageConfig:
+  """Returns the :class:`SageConfig` for a config or preset name."""
+  if config is None:
+    return PRESETS[DEFAULT_PRESET]
+  if isinstance(config, SageConfig):
+    return config
+  if isinstance(config, str):
+    try:
+      return PRESETS[config]
+    except KeyError:
+      raise ValueError(
+          f"Unknown config {config!r}: pass a SageConfig or one of the presets "
+          f"{tuple(PRESETS)}.") from None
+  raise TypeError(
+      f"config must be a SageConfig or a preset name {tuple(PRESETS)}, got "
+      f"{type(config).__name__}.")

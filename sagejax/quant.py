@@ -1,0 +1,415 @@
+"""The quantization math of SageAttention: the single source of truth.
+
+Every backend computes exactly what this module describes and is tested
+against it. Arrays here are in the canonical per-head layout ``[..., T, H]``:
+leading axes are batch and heads (``[B, N, T, H]`` for Q, ``[B, K, S, H]`` for
+K and V), then tokens, then channels.
+
+The pieces, in the order a forward pass uses them:
+
+* Smoothing (SageAttention §3, SageAttention2 §3.1). K minus its mean over
+  tokens: exact, since softmax is invariant to a per-row shift of the scores.
+  Q minus the mean of each Q block, with ΔS = q̄·γ(K)ᵀ added back to the scores
+  in FP32. V minus its mean over tokens, added back to the output (rows of
+  the normalised P sum to one).
+* Symmetric integer quantizers, round to nearest even, INT8 (±127) or INT4
+  (±7), with one scale per group of tokens (:func:`token_groups`). Scales are
+  returned broadcast to one per token, ``[..., T]``: every backend then applies
+  ``s = (q·k) * q_scale[t] * k_scale[s]`` whatever the granularity, and the
+  granularity only decides which tokens share a value. ``sm_scale·log2(e)`` is
+  folded into the Q scale so the softmax runs in base 2.
+* FP8 e4m3: V per channel (scale = max|V[:, c]| / 448); P̃ = exp2(s − m) ∈ [0, 1]
+  times the static 448.
+
+:func:`quantize` pads T to a multiple of ``block_q`` and S to a multiple of
+``block_k`` (padding tokens are zero, so they never change a scale) and
+returns a :class:`QuantizedQKV`, the interface every attention backend takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sagejax.config import (
+    SageConfig,
+    THREAD_KEY_GROUPS,
+    THREAD_KEY_PERIOD,
+    THREAD_ROW_GROUPS,
+)
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Largest finite float8_e4m3fn value: P̃ ∈ [0, 1] is stored as P̃·448 and V as
+# V / (max|V[:, c]| / 448).
+FP8_MAX = 448.0
+P_SCALE = FP8_MAX
+FP8_DTYPE = jnp.float8_e4m3fn
+
+Role = Literal["q", "k"]
+
+
+# ----------------------------------------------------------------------------
+# Quantization groups.
+# ----------------------------------------------------------------------------
+
+
+def _group_view(role: Role, config: SageConfig, n_tokens: int):
+  """How the token axis of a padded Q or K splits into quantization groups.
+
+  Returns ``(shape, reduce)``: the token axis reshaped to ``shape`` (row-major)
+  and the axes of ``shape`` that run *inside* one group. Tokens that differ only
+  along ``reduce`` share a scale. This one description drives both the scales
+  (:func:`group_amax`) and the documented membership (:func:`token_groups`).
+  """
+  g = config.qk_granularity
+  if g == "per_token":
+    return (n_tokens,), ()
+  if role == "q":
+    bq, w = config.block_q, config.num_warps
+    if n_tokens % bq:
+      raise ValueError(f"{n_tokens} query tokens is not a multiple of "
+                       f"block_q={bq}; pad first (see quantize).")
+    nb = n_tokens // bq
+    if g == "per_block":
+      return (nb, bq), (1,)
+    if g == "per_warp":
+      return (nb, w, bq // w), (2,)
+    # per_thread: within a warp's rows, rows with the same index mod 8.
+    r = bq // w // THREAD_ROW_GROUPS
+    return (nb, w, r, THREAD_ROW_GROUPS), (2,)
+  if role == "k":
+    bk = config.block_k
+    if n_tokens % bk:
+      raise ValueError(f"{n_tokens} key tokens is not a multiple of "
+                       f"block_k={bk}; pad first (see quantize).")
+    nb = n_tokens // bk
+    if g in ("per_block", "per_warp"):  # a K block is never split over warps
+      return (nb, bk), (1,)
+    # per_thread: keys with the same (index mod 8) // 2 inside a K block.
+    period = THREAD_KEY_PERIOD
+    pair = period // THREAD_KEY_GROUPS
+    return (nb, bk // period, THREAD_KEY_GROUPS, pair), (1, 3)
+  raise ValueError(f"role must be 'q' or 'k', got {role!r}")
+
+
+def token_groups(n_tokens: int, role: Role, config: SageConfig) -> np.ndarray:
+  """Group id of each token, ``int[n_tokens]``; equal ids share a scale.
+
+  ``n_tokens`` must be a multiple of ``block_q`` (Q) or ``block_k`` (K).
+  """
+  shape, reduce = _group_view(role, config, n_tokens)
+  idx = np.indices(shape)
+  keep = [a for a in range(len(shape)) if a not in reduce]
+  if not keep:
+    return np.zeros(n_tokens, np.int64)
+  ids = np.ravel_multi_index([idx[a] for a in keep],
+                             [shape[a] for a in keep])
+  return ids.reshape(n_tokens)
+
+
+def group_amax(x: jax.Array, role: Role, config: SageConfig) -> jax.Array:
+  """max |x| over each quantization group, broadcast to ``[..., T]``."""
+  *lead, n, h = x.shape
+  shape, reduce = _group_view(role, config, n)
+  xv = jnp.abs(x.astype(jnp.float32)).reshape(*lead, *shape, h)
+  nl = len(lead)
+  axes = tuple(nl + a for a in reduce) + (xv.ndim - 1,)
+  amax = jnp.max(xv, axis=axes, keepdims=True)
+  return jnp.broadcast_to(amax, xv.shape[:-1] + (1,)).reshape(*lead, n)
+
+
+# ----------------------------------------------------------------------------
+# Integer quantizers.
+# ----------------------------------------------------------------------------
+
+
+def scale_from_amax(amax: jax.Array, qmax: float) -> jax.Array:
+  """Symmetric scale: ``amax / qmax``; an all-zero group gets scale 1."""
+  return jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+
+
+def quantize_int(x: jax.Array, scale: jax.Array, qmax: int) -> jax.Array:
+  """``round(x / scale)`` (nearest even), clipped to ±qmax, as int8.
+
+  ``scale`` is per token, ``[..., T]``.
+  """
+  y = x.astype(jnp.float32) / scale[..., None]
+  return jnp.clip(jnp.round(y), -qmax, qmax).astype(jnp.int8)
+
+
+def quantize_groups(x: jax.Array, role: Role, config: SageConfig
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Quantizes Q or K ``[..., T, H]`` at the config's granularity and dtype.
+
+  Returns ``(values int8 [..., T, H], scale f32 [..., T])`` with
+  ``x ≈ values * scale[..., None]``. INT4 values are not packed here; see
+  :func:`pack_int4`.
+  """
+  scale = scale_from_amax(group_amax(x, role, config), config.qmax)
+  return quantize_int(x, scale, config.qmax), scale
+
+
+def pack_int4(x: jax.Array) -> jax.Array:
+  """Packs INT4 values (int8 in [-8, 7]) two per byte along the last axis.
+
+  Channel ``c`` goes to the low nibble and channel ``c + H/2`` to the high
+  nibble of byte ``c``, so unpacking gives the two halves of the channel axis
+  and a Q·Kᵀ product is ``lo_q·lo_kᵀ + hi_q·hi_kᵀ`` without interleaving.
+  Returns int8 ``[..., H/2]``: half the memory of INT8.
+  """
+  h = x.shape[-1]
+  if h % 2:
+    raise ValueError(f"INT4 packing needs an even last axis, got {h}.")
+  lo = x[..., : h // 2].astype(jnp.int8)
+  hi = x[..., h // 2:].astype(jnp.int8)
+  return jnp.bitwise_or(jnp.bitwise_and(lo, jnp.int8(0x0F)),
+                        jnp.left_shift(hi, jnp.int8(4)))
+
+
+def unpack_int4_halves(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Inverse of :func:`pack_int4`, as the two channel halves (int8 each)."""
+  lo = jnp.right_shift(jnp.left_shift(packed, jnp.int8(4)), jnp.int8(4))
+  hi = jnp.right_shift(packed, jnp.int8(4))
+  return lo, hi
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+  """Inverse of :func:`pack_int4`: int8 ``[..., 2 * H/2]``."""
+  return jnp.concatenate(unpack_int4_halves(packed), axis=-1)
+
+
+# ----------------------------------------------------------------------------
+# FP8.
+# ----------------------------------------------------------------------------
+
+
+def quantize_v_fp8(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """V ``[..., S, H]`` to FP8 e4m3 with one scale per channel.
+
+  Returns ``(values e4m3 [..., S, H], scale f32 [..., H])``,
+  ``scale = max_s |V[s, c]| / 448`` (1 for an all-zero channel).
+  """
+  amax = jnp.max(jnp.abs(v.astype(jnp.float32)), axis=-2)
+  scale = scale_from_amax(amax, FP8_MAX)
+  y = jnp.clip(v.astype(jnp.float32) / scale[..., None, :], -FP8_MAX, FP8_MAX)
+  return y.astype(FP8_DTYPE), scale
+
+
+def quantize_p_fp8(p: jax.Array) -> jax.Array:
+  """P̃ = exp2(s − m) ∈ [0, 1] to FP8 e4m3 with the static scale 448."""
+  return (p * P_SCALE).astype(FP8_DTYPE)
+
+
+def truncate_to_fp22(x: jax.Array) -> jax.Array:
+  """Truncates FP32 to 13 mantissa bits, as the FP8 MMA accumulator keeps."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  bits = jnp.bitwise_and(bits, jnp.uint32(0xFFFFE000))
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+# ----------------------------------------------------------------------------
+# Smoothing.
+# ----------------------------------------------------------------------------
+
+
+def _valid_tokens(n: int, lengths: Optional[jax.Array], lead_ndim: int):
+  """Boolean ``[B, 1.., n, 1]`` of tokens below ``lengths`` (or None)."""
+  if lengths is None:
+    return None
+  valid = jnp.arange(n)[None, :] < lengths[:, None]
+  return valid.reshape(valid.shape[:1] + (1,) * (lead_ndim - 1) + (n, 1))
+
+
+def token_mean(x: jax.Array, lengths: Optional[jax.Array] = None
+               ) -> jax.Array:
+  """Mean over the valid tokens of ``x [B, ..., T, H]``: f32 ``[B, ..., H]``."""
+  x = x.astype(jnp.float32)
+  valid = _valid_tokens(x.shape[-2], lengths, x.ndim - 2)
+  if valid is None:
+    return jnp.mean(x, axis=-2)
+  total = jnp.sum(jnp.where(valid, x, 0.0), axis=-2)
+  count = jnp.maximum(jnp.sum(valid, axis=-2), 1)
+  return total / count
+
+
+def block_mean(x: jax.Array, block: int, lengths: Optional[jax.Array] = None
+               ) -> jax.Array:
+  """Mean of each block of ``block`` tokens: f32 ``[B, ..., T/block, H]``."""
+  *lead, n, h = x.shape
+  x = x.astype(jnp.float32)
+  valid = _valid_tokens(n, lengths, len(lead))
+  if valid is None:
+    valid = jnp.ones((1,) * len(lead) + (n, 1), bool)
+  xb = jnp.where(valid, x, 0.0).reshape(*lead, n // block, block, h)
+  cb = valid.reshape(*valid.shape[:-2], n // block, block, 1)
+  return jnp.sum(xb, axis=-2) / jnp.maximum(jnp.sum(cb, axis=-2), 1)
+
+
+def zero_padding(x: jax.Array, lengths: Optional[jax.Array]) -> jax.Array:
+  """Zeroes the tokens of ``x [B, ..., T, H]`` at or past ``lengths``."""
+  valid = _valid_tokens(x.shape[-2], lengths, x.ndim - 2)
+  return x if valid is None else jnp.where(valid, x, jnp.zeros((), x.dtype))
+
+
+# ----------------------------------------------------------------------------
+# The whole quantization step.
+# ----------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedQKV:
+  """Quantized attention inputs: what every attention backend consumes.
+
+  Token axes are padded to ``T_pad`` (multiple of ``block_q``) and ``S_pad``
+  (multiple of ``block_k``); ``N = K * groups``.
+
+  Attributes:
+    q: int8 ``[B, N, T_pad, H]``, or INT4 packed ``[B, N, T_pad, H/2]``.
+    q_scale: f32 ``[B, N, T_pad]``; includes ``sm_scale * log2(e)``.
+    k: int8 ``[B, K, S_pad, H]`` or packed ``[B, K, S_pad, H/2]``.
+    k_scale: f32 ``[B, K, S_pad]``.
+    v: ``[B, K, S_pad, H]`` in the P·V operand type (FP8 e4m3, FP16, BF16).
+    v_scale: f32 ``[B, K, H]``; multiplies the output (ones unless FP8).
+    v_mean: f32 ``[B, K, H]`` added to the output when V was smoothed, else
+      None.
+    delta_s: f32 ``[B, N, T_pad / block_q, S_pad]``, ΔS = q̄·γ(K)ᵀ in base-2
+      score units, when Q was smoothed, else None.
+  """
+
+  q: jax.Array
+  q_scale: jax.Array
+  k: jax.Array
+  k_scale: jax.Array
+  v: jax.Array
+  v_scale: jax.Array
+  v_mean: Optional[jax.Array]
+  delta_s: Optional[jax.Array]
+
+
+def _pad_tokens(x: jax.Array, multiple: int) -> jax.Array:
+  n = x.shape[-2]
+  pad = -n % multiple
+  if not pad:
+    return x
+  widths = [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)]
+  return jnp.pad(x, widths)
+
+
+def _pad_channels_even(x: jax.Array) -> jax.Array:
+  if x.shape[-1] % 2 == 0:
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 1)])
+
+
+def _lengths_or_full(lengths: Optional[jax.Array], x: jax.Array) -> jax.Array:
+  """Per-batch valid lengths; the full token count where none were given."""
+  if lengths is not None:
+    return lengths
+  return jnp.full((x.shape[0],), x.shape[-2], jnp.int32)
+
+
+def quantize_q(q: jax.Array, config: SageConfig, sm_scale: float,
+               q_lengths: Optional[jax.Array] = None):
+  """Q ``[B, N, T, H]`` → (values, scale ``[B, N, T_pad]``, block mean or None).
+
+  The scale includes ``sm_scale * log2(e)``; the block mean ``[B, N,
+  T_pad/block_q, H]`` (f32, unscaled) is returned when ``smooth_q``.
+  """
+  lengths = _lengths_or_full(q_lengths, q)
+  q = _pad_tokens(zero_padding(q, lengths), config.block_q)
+  q_mean = None
+  if config.smooth_q:
+    q_mean = block_mean(q, config.block_q, lengths)
+    q = q.astype(jnp.float32) - jnp.repeat(q_mean, config.block_q, axis=-2)
+    q = zero_padding(q, lengths)
+  if config.qk_dtype == "int4":
+    q = _pad_channels_even(q)
+  values, scale = quantize_groups(q, "q", config)
+  if config.qk_dtype == "int4":
+    values = pack_int4(values)
+  return values, scale * (sm_scale * LOG2E), q_mean
+
+
+def quantize_k(k: jax.Array, config: SageConfig,
+               kv_lengths: Optional[jax.Array] = None):
+  """K ``[B, K, S, H]`` → (values, scale ``[B, K, S_pad]``, smoothed K f32).
+
+  The smoothed K (zero past the valid lengths) is what ΔS is computed from.
+  """
+  lengths = _lengths_or_full(kv_lengths, k)
+  k = k.astype(jnp.float32)
+  if config.smooth_k:
+    k = k - token_mean(k, lengths)[..., None, :]
+  k = _pad_tokens(zero_padding(k, lengths), config.block_k)
+  if config.qk_dtype == "int4":
+    k = _pad_channels_even(k)
+  values, scale = quantize_groups(k, "k", config)
+  if config.qk_dtype == "int4":
+    values = pack_int4(values)
+  return values, scale, k
+
+
+def quantize_v(v: jax.Array, config: SageConfig,
+               kv_lengths: Optional[jax.Array] = None):
+  """V ``[B, K, S, H]`` → (values, scale ``[B, K, H]``, mean or None)."""
+  lengths = _lengths_or_full(kv_lengths, v)
+  v_mean = None
+  if config.smooth_v:
+    v_mean = token_mean(v, lengths)
+    v = v.astype(jnp.float32) - v_mean[..., None, :]
+  v = _pad_tokens(zero_padding(v, lengths), config.block_k)
+  if config.pv_dtype == "fp8_e4m3":
+    values, scale = quantize_v_fp8(v)
+  else:
+    dtype = jnp.float16 if config.pv_dtype == "fp16" else jnp.bfloat16
+    values = v.astype(dtype)
+    scale = jnp.ones(v.shape[:-2] + v.shape[-1:], jnp.float32)
+  return values, scale, v_mean
+
+
+def delta_scores(q_mean: jax.Array, k_smoothed: jax.Array, sm_scale: float
+                 ) -> jax.Array:
+  """ΔS = q̄·γ(K)ᵀ · sm_scale · log2(e): f32 ``[B, N, T_pad/block_q, S_pad]``.
+
+  ``q_mean`` is ``[B, N, nQ, H]`` and ``k_smoothed`` ``[B, K, S_pad, H]``;
+  GQA groups N = K·G share their K head without copying it.
+  """
+  b, n, nq, h = q_mean.shape
+  kh = k_smoothed.shape[1]
+  qm = q_mean.reshape(b, kh, n // kh, nq, h)
+  ds = jnp.einsum("bkgqh,bksh->bkgqs", qm, k_smoothed[..., :h],
+                  precision=jax.lax.Precision.HIGHEST)
+  return ds.reshape(b, n, nq, -1) * (sm_scale * LOG2E)
+
+
+def quantize(q: jax.Array, k: jax.Array, v: jax.Array, config: SageConfig,
+             sm_scale: float, q_lengths: Optional[jax.Array] = None,
+             kv_lengths: Optional[jax.Array] = None) -> QuantizedQKV:
+  """Smooths and quantizes Q ``[B, N, T, H]``, K and V ``[B, K, S, H]``.
+
+  Tokens at or past ``q_lengths`` / ``kv_lengths`` (int ``[B]``) are treated as
+  padding: they are zeroed and do not count in any mean or scale.
+  """
+  qv, q_scale, q_mean = quantize_q(q, config, sm_scale, q_lengths)
+  kv_, k_scale, k_smoothed = quantize_k(k, config, kv_lengths)
+  vv, v_scale, v_mean = quantize_v(v, config, kv_lengths)
+  delta_s = None
+  if q_mean is not None:
+    delta_s = delta_scores(q_mean, k_smoothed, sm_scale)
+  return QuantizedQKV(q=qv, q_scale=q_scale, k=kv_, k_scale=k_scale, v=vv,
+                      v_scale=v_scale, v_mean=v_mean, delta_s=delta_s)
+
+
+def dequantize_qk(values: jax.Array, scale: jax.Array, config: SageConfig
+                  ) -> jax.Array:
+  """Back to f32 ``[..., T, H]`` (INT4 unpacked); Q keeps sm_scale·log2(e)."""
+  if config.qk_dtype == "int4":
+    values = unpack_int4(values)
+  return values.astype(jnp.float32) * scale[..., None]
