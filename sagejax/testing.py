@@ -1,0 +1,65 @@
+"""Inputs and error metrics shared by the tests, the benchmarks and the reports.
+
+``make_qkv`` draws the two kinds of data the accuracy tables use:
+
+* ``"normal"``: q, k, v ~ N(0, 1).
+* ``"channel_bias"``: per-(head, channel) offsets like the outliers of real
+  LLM and DiT activations (what smoothing is for): q += 2·N(0, 1), k +=
+  8·N(0, 1), v += 4·N(0, 1), one offset per head and channel, shared by every
+  token (the K and V offsets are those of SageAttention's own accuracy runs).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DataKind = Literal["normal", "channel_bias"]
+DATA_KINDS = ("normal", "channel_bias")
+CHANNEL_BIAS = {"q": 2.0, "k": 8.0, "v": 4.0}
+
+
+def make_qkv(key: jax.Array, batch: int, q_len: int, kv_len: int,
+             num_heads: int, num_kv_heads: int, head_dim: int,
+             kind: DataKind = "normal", dtype=jnp.float16,
+             layout: str = "BTNH"):
+  """Random (q, k, v): q ``[B, T, N, H]``, k and v ``[B, S, K, H]`` (BTNH)."""
+  if kind not in DATA_KINDS:
+    raise ValueError(f"kind must be one of {DATA_KINDS}, got {kind!r}.")
+  shapes = {"q": (batch, q_len, num_heads, head_dim),
+            "k": (batch, kv_len, num_kv_heads, head_dim),
+            "v": (batch, kv_len, num_kv_heads, head_dim)}
+  keys = jax.random.split(key, 6)
+  out = []
+  for i, name in enumerate(("q", "k", "v")):
+    b, t, n, h = shapes[name]
+    x = jax.random.normal(keys[i], (b, t, n, h), jnp.float32)
+    if kind == "channel_bias":
+      x = x + CHANNEL_BIAS[name] * jax.random.normal(keys[3 + i], (1, 1, n, h))
+    if layout == "BNTH":
+      x = jnp.swapaxes(x, 1, 2)
+    out.append(x.astype(dtype))
+  return tuple(out)
+
+
+def error_metrics(out, ref) -> dict[str, float]:
+  """Cosine similarity, relative L1, RMSE and relative L2 of ``out`` vs ``ref``.
+
+  Computed in float64 over all elements (the definitions of SageAttention's
+  accuracy tables).
+  """
+  a = np.asarray(jnp.asarray(out, jnp.float32), np.float64).ravel()
+  b = np.asarray(jnp.asarray(ref, jnp.float32), np.float64).ravel()
+  if not (np.all(np.isfinite(a))):
+    return {"cos_sim": float("nan"), "rel_l1": float("inf"),
+            "rmse": float("inf"), "rel_l2": float("inf")}
+  denom = np.linalg.norm(a) * np.linalg.norm(b)
+  return {
+      "cos_sim": float(a @ b / denom) if denom > 0 else float("nan"),
+      "rel_l1": float(np.abs(a - b).sum() / max(np.abs(b).sum(), 1e-30)),
+      "rmse": float(np.sqrt(np.mean((a - b) ** 2))),
+      "rel_l2": float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)),
+  }
