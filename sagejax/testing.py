@@ -4,9 +4,10 @@
 
 * ``"normal"``: q, k, v ~ N(0, 1).
 * ``"channel_bias"``: per-(head, channel) offsets like the outliers of real
-  LLM and DiT activations (what smoothing is for): q += 2·N(0, 1), k +=
-  8·N(0, 1), v += 4·N(0, 1), one offset per head and channel, shared by every
-  token (the K and V offsets are those of SageAttention's own accuracy runs).
+  LLM and DiT activations (what smoothing is for), one offset per head and
+  channel shared by every token: k += 8·N(0, 1), v += 4·N(0, 1). This is the
+  data of SageAttention's own accuracy runs in ``shared/ANCHORS.md``.
+* ``"qkv_channel_bias"``: the same with q += 2·N(0, 1) as well.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-DataKind = Literal["normal", "channel_bias"]
-DATA_KINDS = ("normal", "channel_bias")
-CHANNEL_BIAS = {"q": 2.0, "k": 8.0, "v": 4.0}
+DataKind = Literal["normal", "channel_bias", "qkv_channel_bias"]
+DATA_KINDS = ("normal", "channel_bias", "qkv_channel_bias")
+CHANNEL_BIAS = {
+    "normal": {"q": 0.0, "k": 0.0, "v": 0.0},
+    "channel_bias": {"q": 0.0, "k": 8.0, "v": 4.0},
+    "qkv_channel_bias": {"q": 2.0, "k": 8.0, "v": 4.0},
+}
 
 
 def make_qkv(key: jax.Array, batch: int, q_len: int, kv_len: int,
@@ -37,8 +42,9 @@ def make_qkv(key: jax.Array, batch: int, q_len: int, kv_len: int,
   for i, name in enumerate(("q", "k", "v")):
     b, t, n, h = shapes[name]
     x = jax.random.normal(keys[i], (b, t, n, h), jnp.float32)
-    if kind == "channel_bias":
-      x = x + CHANNEL_BIAS[name] * jax.random.normal(keys[3 + i], (1, 1, n, h))
+    offset = CHANNEL_BIAS[kind][name]
+    if offset:
+      x = x + offset * jax.random.normal(keys[3 + i], (1, 1, n, h))
     if layout == "BNTH":
       x = jnp.swapaxes(x, 1, 2)
     out.append(x.astype(dtype))
