@@ -19,9 +19,11 @@ MAX_HEAD_DIM = 256
 
 @dataclasses.dataclass(frozen=True)
 class ParsedCall:
-  """A checked attention call, with Q, K, V in the canonical ``[B, N, T, H]``.
+  """A checked attention call.
 
-  ``bias`` and ``mask`` keep their own (broadcastable) ``[B|1, N|1, T|1,
+  ``q``, ``k``, ``v`` are 4-D in the caller's ``layout`` (a batch axis added to
+  3-D inputs); :meth:`canonical` gives them as ``[B, N, T, H]`` / ``[B, K, S,
+  H]``. ``bias`` and ``mask`` keep their own (broadcastable) ``[B|1, N|1, T|1,
   S|1]`` shapes.
   """
 
@@ -37,14 +39,35 @@ class ParsedCall:
   layout: str
   unbatched: bool
 
-  def to_user_layout(self, out: jax.Array) -> jax.Array:
-    """``[B, N, T, H]`` → the caller's layout (and rank)."""
-    if self.layout == "BTNH":
-      out = jnp.swapaxes(out, 1, 2)
-    return out[0] if self.unbatched else out
+  def canonical(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q ``[B, N, T, H]``, k ``[B, K, S, H]``, v ``[B, K, S, H]``)."""
+    return tuple(to_canonical(x, self.layout) for x in (self.q, self.k, self.v))
 
-  def lse_to_user(self, lse: jax.Array) -> jax.Array:
-    return lse[0] if self.unbatched else lse
+  @property
+  def dims(self) -> tuple[int, int, int, int, int, int]:
+    """(B, N, T, H, K, S)."""
+    b, n, t, h = _canonical_shape(self.q.shape, self.layout)
+    _, kh, s, _ = _canonical_shape(self.k.shape, self.layout)
+    return b, n, t, h, kh, s
+
+  def unbatch(self, x: jax.Array) -> jax.Array:
+    """Drops the batch axis added to 3-D inputs."""
+    return x[0] if self.unbatched else x
+
+
+def _canonical_shape(shape, layout):
+  b, a1, a2, h = shape
+  return (b, a2, a1, h) if layout == "BTNH" else (b, a1, a2, h)
+
+
+def to_canonical(x: jax.Array, layout: str) -> jax.Array:
+  """``layout`` → ``[B, N, T, H]`` (a transpose for ``"BTNH"``)."""
+  return jnp.swapaxes(x, 1, 2) if layout == "BTNH" else x
+
+
+def from_canonical(x: jax.Array, layout: str) -> jax.Array:
+  """``[B, N, T, H]`` → ``layout``."""
+  return jnp.swapaxes(x, 1, 2) if layout == "BTNH" else x
 
 
 def _as_array(x: Any, name: str) -> jax.Array:
@@ -108,13 +131,11 @@ def parse(query, key, value, bias=None, mask=None, *, scale=None,
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, "
                     f"{k.dtype}, {v.dtype}.")
-  if layout == "BTNH":
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-  b, n, t, h = q.shape
+  b, n, t, h = _canonical_shape(q.shape, layout)
   if k.shape != v.shape:
     raise ValueError(f"key and value must have the same shape, got {k.shape} "
-                     f"and {v.shape} (in {layout} order after batching).")
-  bk, kh, s, hk = k.shape
+                     f"and {v.shape}.")
+  bk, kh, s, hk = _canonical_shape(k.shape, layout)
   if bk != b:
     raise ValueError(f"query and key must have the same batch size, got {b} "
                      f"and {bk}.")

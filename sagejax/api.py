@@ -21,13 +21,14 @@ class _Static:
   spec: MaskSpec
   sm_scale: float
   backend: str
+  layout: str
 
 
 def _call_of(static: _Static, q, k, v, bias, mask, q_lengths, kv_lengths):
   return _inputs.ParsedCall(q=q, k=k, v=v, bias=bias, mask=mask,
                             q_lengths=q_lengths, kv_lengths=kv_lengths,
                             spec=static.spec, sm_scale=static.sm_scale,
-                            layout="BNTH", unbatched=False)
+                            layout=static.layout, unbatched=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -53,10 +54,12 @@ def _sage_attention_fwd(static, q, k, v, bias, mask, q_lengths, kv_lengths):
 def _sage_attention_bwd(static, res, cotangents):
   q, k, v, bias, mask, q_lengths, kv_lengths = res
   d_out, d_lse = cotangents
-  dq, dk, dv, dbias = _vjp.attention_backward(
-      q, k, v, bias, mask, q_lengths, kv_lengths, d_out, d_lse,
-      static.spec, static.sm_scale)
-  return dq, dk, dv, dbias, None, None, None
+  canon = functools.partial(_inputs.to_canonical, layout=static.layout)
+  grads = _vjp.attention_backward(
+      canon(q), canon(k), canon(v), bias, mask, q_lengths, kv_lengths,
+      canon(d_out), d_lse, static.spec, static.sm_scale)
+  dq, dk, dv = (_inputs.from_canonical(g, static.layout) for g in grads[:3])
+  return dq, dk, dv, grads[3], None, None, None
 
 
 _sage_attention.defvjp(_sage_attention_fwd, _sage_attention_bwd)
@@ -136,10 +139,10 @@ def attention(
                        local_window_size=local_window_size, layout=layout)
   backend = backends.select(implementation, call, cfg)
   static = _Static(config=cfg, spec=call.spec, sm_scale=call.sm_scale,
-                   backend=backend.name)
+                   backend=backend.name, layout=call.layout)
   out, lse = _sage_attention(static, call.q, call.k, call.v, call.bias,
                              call.mask, call.q_lengths, call.kv_lengths)
-  out = call.to_user_layout(out)
+  out = call.unbatch(out)
   if return_lse:
-    return out, call.lse_to_user(lse)
+    return out, call.unbatch(lse)
   return out

@@ -42,7 +42,7 @@ def exact_attention(
                        query_seq_lengths=query_seq_lengths,
                        key_value_seq_lengths=key_value_seq_lengths,
                        local_window_size=local_window_size, layout=layout)
-  q, k, v = (x.astype(jnp.float32) for x in (call.q, call.k, call.v))
+  q, k, v = (x.astype(jnp.float32) for x in call.canonical())
   b, n, t, h = q.shape
   kh, s = k.shape[1], k.shape[2]
   g = n // kh
@@ -61,5 +61,5 @@ def exact_attention(
       jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
   out = jnp.einsum("bkgts,bksh->bkgth", probs.reshape(b, kh, g, t, s), v,
                    precision=jax.lax.Precision.HIGHEST).reshape(b, n, t, h)
-  out = call.to_user_layout(out)
-  return (out, lse) if return_lse else out
+  out = call.unbatch(_inputs.from_canonical(out, call.layout))
+  return (out, call.unbatch(lse)) if return_lse else out

@@ -2,10 +2,11 @@
 
 A backend is a module-level object with ``name``, ``available()``,
 ``unsupported(call, config)`` (None, or the reason it cannot serve the call)
-and ``forward(call, config)``. ``forward`` takes Q ``[B, N, T, H]`` and K, V
-``[B, K, S, H]`` (in :class:`sagejax._inputs.ParsedCall`) and returns the f32
-output ``[B, N, T, H]`` and the natural-log LSE f32 ``[B, N, T]``; it does its
-own quantization, mirroring :mod:`sagejax.quant`.
+and ``forward(call, config)``. ``forward`` takes a checked call
+(:class:`sagejax._inputs.ParsedCall`, Q/K/V 4-D in ``call.layout``) and returns
+the output in that same layout (any float dtype; the caller casts) and the
+natural-log LSE, f32 ``[B, N, T]``. It does its own quantization, mirroring
+:mod:`sagejax.quant`, and may read the caller's layout directly.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from sagejax import quant
-from sagejax._inputs import ParsedCall
+from sagejax._inputs import ParsedCall, from_canonical
 from sagejax.config import SageConfig
 from sagejax.masks import MaskSpec, group_heads, key_block
 
@@ -130,11 +130,14 @@ class _XlaBackend:
 
   def forward(self, call: ParsedCall, config: SageConfig
               ) -> tuple[jax.Array, jax.Array]:
-    qkv = quant.quantize(call.q, call.k, call.v, config, call.sm_scale,
-                         call.q_lengths, call.kv_lengths)
-    return attend_quantized(qkv, config, call.spec, q_lengths=call.q_lengths,
-                            kv_lengths=call.kv_lengths, mask=call.mask,
-                            bias=call.bias)
+    q, k, v = call.canonical()
+    qkv = quant.quantize(q, k, v, config, call.sm_scale, call.q_lengths,
+                         call.kv_lengths)
+    out, lse = attend_quantized(qkv, config, call.spec,
+                                q_lengths=call.q_lengths,
+                                kv_lengths=call.kv_lengths, mask=call.mask,
+                                bias=call.bias)
+    return from_canonical(out, call.layout), lse
 
 
 BACKEND = _XlaBackend()
