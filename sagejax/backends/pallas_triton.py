@@ -1,0 +1,174 @@
+"""The ``"pallas"`` backend: Pallas kernels lowered through Triton (sm80+).
+
+Three quantization kernels (:mod:`sagejax.kernels.triton_quantize`) read Q, K
+and V in the caller's layout and write the quantized tensors; XLA computes the
+few reductions over all tokens (K's mean, V's mean and per-channel max) and,
+for smoothed Q, ΔS. The fused attention kernel
+(:mod:`sagejax.kernels.triton_attention`) writes the output straight into the
+caller's layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from sagejax import quant
+from sagejax._inputs import ParsedCall, to_canonical
+from sagejax.config import SageConfig
+from sagejax.kernels import triton_attention, triton_quantize
+from sagejax.kernels._common import full_lengths, next_pow2
+from sagejax.kernels.triton_attention import KernelTiling
+
+
+def default_tiling(head_dim: int, config: SageConfig) -> KernelTiling:
+  """Kernel tiles by head dim (measured on H100/H200; benchmarks/NOTES.md)."""
+  if head_dim <= 64:
+    return KernelTiling(block_q=128, block_k=64, num_warps=4, num_stages=3)
+  if head_dim <= 128:
+    return KernelTiling(block_q=128, block_k=64, num_warps=8, num_stages=3)
+  return KernelTiling(block_q=64, block_k=32, num_warps=4, num_stages=2)
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """Quantized inputs plus what the attention kernel needs to run on them."""
+  qkv: quant.QuantizedQKV
+  q_lengths: jax.Array
+  kv_lengths: jax.Array
+
+
+class _PallasTritonBackend:
+  name = "pallas"
+
+  def __init__(self, interpret: bool = False):
+    self.interpret = interpret
+
+  def available(self) -> bool:
+    if self.interpret:
+      return True
+    try:
+      device = jax.devices()[0]
+    except RuntimeError:
+      return False
+    if device.platform != "gpu":
+      return False
+    cc = getattr(device, "compute_capability", None)
+    try:
+      return cc is None or float(cc) >= 8.0
+    except (TypeError, ValueError):
+      return True
+
+  def unsupported(self, call: ParsedCall, config: SageConfig
+                  ) -> Optional[str]:
+    _, _, _, h, _, _ = call.dims
+    if call.mask is not None:
+      return "explicit mask arrays are not supported by the kernel yet"
+    if call.bias is not None:
+      return "bias arrays are not supported by the kernel yet"
+    if config.pv_dtype == "fp8_e4m3" and config.pv_accumulation == "fp32":
+      return ("Triton dots start each block from a fresh accumulator, so the "
+              "kernel always accumulates fp32+fp32; pass "
+              "pv_accumulation='fp32+fp32'")
+    if config.qk_dtype == "int4" and next_pow2(h) < 64:
+      return ("INT4 needs head dim >= 33 (each packed half is an INT8 dot "
+              "whose contraction must be >= 32 on the GPU)")
+    if next_pow2(h) < 32:
+      return "head dims below 17 are padded to 32 only by the 'xla' path"
+    return None
+
+  def prepare(self, call: ParsedCall, config: SageConfig) -> Prepared:
+    """Smooths and quantizes Q, K, V with the Pallas quantization kernels."""
+    b, n, t, h, kh, s = call.dims
+    hp = max(32, next_pow2(h))
+    layout = call.layout
+    t_ax, s_ax = (1, 1) if layout == "BTNH" else (2, 2)
+    t_pad = -(-t // config.block_q) * config.block_q
+    s_pad = -(-s // config.block_k) * config.block_k
+    q = _pad_axis(_pad_axis(call.q, 3, hp), t_ax, t_pad)
+    k = _pad_axis(_pad_axis(call.k, 3, hp), s_ax, s_pad)
+    v = _pad_axis(_pad_axis(call.v, 3, hp), s_ax, s_pad)
+    q_lengths = full_lengths(call.q_lengths, b, t)
+    kv_lengths = full_lengths(call.kv_lengths, b, s)
+    interpret = self.interpret
+
+    # Reductions over all tokens (XLA, fused with the transposes).
+    k_mean = None
+    k_canon = to_canonical(k, layout)
+    if config.smooth_k:
+      k_mean = quant.token_mean(k_canon, kv_lengths)
+    v_canon = to_canonical(v, layout)
+    v_mean = quant.token_mean(v_canon, kv_lengths) if config.smooth_v else None
+    if config.pv_dtype == "fp8_e4m3":
+      centred = v_canon.astype(jnp.float32)
+      if v_mean is not None:
+        centred = centred - v_mean[..., None, :]
+      v_scale = quant.scale_from_amax(
+          jnp.max(jnp.abs(quant.zero_padding(centred, kv_lengths)), axis=-2),
+          quant.FP8_MAX)
+    else:
+      v_scale = jnp.ones((b, kh, hp), jnp.float32)
+
+    q_vals, q_scale, q_bmean = triton_quantize.quantize_qk(
+        q, q_lengths, None, role="q", config=config, layout=layout,
+        scale_mult=call.sm_scale * quant.LOG2E, interpret=interpret)
+    k_vals, k_scale, _ = triton_quantize.quantize_qk(
+        k, kv_lengths, k_mean, role="k", config=config, layout=layout,
+        interpret=interpret)
+    transpose_v = config.pv_dtype == "fp8_e4m3"
+    v_vals = triton_quantize.quantize_v(
+        v, kv_lengths, v_mean, v_scale, config=config, layout=layout,
+        transpose=transpose_v, interpret=interpret)
+    delta_s = None
+    if q_bmean is not None:
+      k_smoothed = k_canon.astype(jnp.float32)
+      if k_mean is not None:
+        k_smoothed = k_smoothed - k_mean[..., None, :]
+      delta_s = quant.delta_scores(
+          q_bmean, quant.zero_padding(k_smoothed, kv_lengths), call.sm_scale)
+    qkv = quant.QuantizedQKV(q=q_vals, q_scale=q_scale, k=k_vals,
+                             k_scale=k_scale, v=v_vals, v_scale=v_scale,
+                             v_mean=v_mean, delta_s=delta_s)
+    return Prepared(qkv=qkv, q_lengths=q_lengths, kv_lengths=kv_lengths)
+
+  def kernel(self, prepared: Prepared, call: ParsedCall, config: SageConfig,
+             tiling: Optional[KernelTiling] = None):
+    """The attention kernel alone on prepared inputs: (output, lse)."""
+    b, n, t, h, kh, s = call.dims
+    tiling = tiling or default_tiling(h, config)
+    if prepared.qkv.delta_s is not None:
+      tiling = dataclasses.replace(
+          tiling, block_q=min(tiling.block_q, config.block_q))
+    out, lse = triton_attention.attention_forward(
+        prepared.qkv, call.spec, q_lengths=prepared.q_lengths,
+        kv_lengths=prepared.kv_lengths, config_block_q=config.block_q,
+        out_dtype=call.q.dtype, out_layout=call.layout,
+        v_transposed=config.pv_dtype == "fp8_e4m3",
+        int4=config.qk_dtype == "int4", tiling=tiling,
+        interpret=self.interpret)
+    if call.layout == "BTNH":
+      out = out[:, :t, :, :h]
+    else:
+      out = out[:, :, :t, :h]
+    return out, lse[:, :, :t]
+
+  def forward(self, call: ParsedCall, config: SageConfig
+              ) -> tuple[jax.Array, jax.Array]:
+    return self.kernel(self.prepare(call, config), call, config)
+
+
+BACKEND = _PallasTritonBackend()
+# Same kernels run by the Pallas interpreter: for CPU tests, not for users.
+INTERPRET_BACKEND = _PallasTritonBackend(interpret=True)

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels, one per file; backends in :mod:`sagejax.backends` call them."""

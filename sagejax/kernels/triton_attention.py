@@ -1,0 +1,250 @@
+"""Pallas (Triton) kernel: the fused SageAttention forward.
+
+One program computes one block of ``block_q`` queries of one head against
+the keys it may see (GQA: query head n reads KV head n // G, never a copy):
+
+  s  = (q_int8 · k_int8ᵀ)_int32 · q_scale · k_scale (+ ΔS)   base-2 logits
+  m' = max(m, rowmax s);  p̃ = exp2(s − m');  l' = l·2^(m−m') + rowsum p̃
+  acc = acc·2^(m−m') + fp8(448·p̃) · v_fp8        (each block's product fresh,
+                                                   then added: fp32+fp32)
+  out = acc · v_scale / (448 · l) (+ V mean),   lse = (m + log2 l)·ln 2
+
+The KV loop visits only the blocks a query block can see (causal diagonal,
+local window, per-batch lengths) and applies the mask only to blocks that
+straddle an edge. Inputs come from :mod:`sagejax.kernels.triton_quantize`
+(or :func:`sagejax.quant.quantize`, with ``v_transposed=False``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from sagejax import quant
+from sagejax.masks import MaskSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiling:
+  """Tuning of the attention kernel (not part of the math).
+
+  Attributes:
+    block_q: query rows per program; divides the config's ``block_q`` when Q
+      is smoothed (ΔS rows are per config block).
+    block_k: keys per inner-loop step; a multiple of the config's ``block_k``
+      is not required (scales are per token).
+    num_warps: warps per program.
+    num_stages: software-pipelining depth of the KV loop.
+  """
+
+  block_q: int = 128
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for field in ("block_q", "block_k", "num_warps"):
+      v = getattr(self, field)
+      if not isinstance(v, int) or v < 1 or v & (v - 1):
+        raise ValueError(f"KernelTiling.{field} must be a power of two, got "
+                         f"{v!r}.")
+    if self.block_q < 16 or self.block_k < 32:
+      raise ValueError("KernelTiling needs block_q >= 16 and block_k >= 32 "
+                       f"(INT8 dots), got {self.block_q}, {self.block_k}.")
+    if not 1 <= self.num_stages <= 6:
+      raise ValueError(f"KernelTiling.num_stages must be in 1..6, got "
+                       f"{self.num_stages}.")
+
+
+def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
+                ql_ref, kl_ref, o_ref, lse_ref, *, block_q: int, block_k: int,
+                int4: bool, fp8: bool, v_transposed: bool, spec: MaskSpec,
+                num_kv_blocks: int):
+  i = pl.program_id(0)
+  q_len = ql_ref[...]
+  kv_len = kl_ref[...]
+  q_first = i * block_q
+  q_last = jnp.minimum(q_first + block_q, q_len) - 1
+  offset = kv_len - q_len if spec.causal_alignment == "bottom_right" else 0
+
+  # Keys [lo, hi) may be seen by some row; [full_lo, full_hi) by every row.
+  lo, hi = 0, kv_len
+  full_lo, full_hi = 0, kv_len
+  if spec.is_causal:
+    hi = jnp.minimum(hi, q_last + offset + 1)
+    full_hi = jnp.minimum(full_hi, q_first + offset + 1)
+  if spec.window is not None:
+    left, right = spec.window
+    hi = jnp.minimum(hi, q_last + offset + right + 1)
+    full_hi = jnp.minimum(full_hi, q_first + offset + right + 1)
+    lo = jnp.maximum(lo, q_first + offset - left)
+    full_lo = jnp.maximum(full_lo, q_last + offset - left)
+  # Block ranges: masked head [blo, fblo), unmasked [fblo, fbhi), masked tail
+  # [fbhi, bhi). A query block past q_len sees nothing.
+  bhi = jnp.where(q_first < q_len, jnp.clip((hi + block_k - 1) // block_k, 0,
+                                            num_kv_blocks), 0)
+  blo = jnp.clip(jnp.maximum(lo, 0) // block_k, 0, bhi)
+  fbhi = jnp.clip(full_hi // block_k, blo, bhi)
+  fblo = jnp.clip((full_lo + block_k - 1) // block_k, blo, fbhi)
+
+  q = q_ref[...]
+  if int4:  # packed: low nibble = channel c, high = c + H/2 (quant.pack_int4)
+    q_parts = ((q << jnp.int8(4)) >> jnp.int8(4), q >> jnp.int8(4))
+  else:
+    q_parts = (q,)
+  q_scale = qs_ref[...]
+  rows = q_first + jnp.arange(block_q)
+
+  def body(j, carry, masked: bool):
+    acc, m, l = carry
+    start = pl.multiple_of(j * block_k, block_k)
+    k = k_ref[pl.ds(start, block_k), :]
+    if int4:
+      k_parts = ((k << jnp.int8(4)) >> jnp.int8(4), k >> jnp.int8(4))
+    else:
+      k_parts = (k,)
+    s_int = plgpu.dot(q_parts[0], k_parts[0], trans_b=True)
+    if int4:
+      s_int = s_int + plgpu.dot(q_parts[1], k_parts[1], trans_b=True)
+    k_scale = ks_ref[pl.ds(start, block_k)]
+    s = s_int.astype(jnp.float32) * q_scale[:, None] * k_scale[None, :]
+    if ds_ref is not None:
+      s = s + ds_ref[pl.ds(start, block_k)][None, :]
+    if masked:
+      cols = start + jnp.arange(block_k)
+      ok = cols[None, :] < kv_len
+      diag = rows[:, None] + offset
+      if spec.is_causal:
+        ok = ok & (cols[None, :] <= diag)
+      if spec.window is not None:
+        ok = ok & (cols[None, :] >= diag - spec.window[0])
+        ok = ok & (cols[None, :] <= diag + spec.window[1])
+      s = jnp.where(ok, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s - m_use[:, None])
+    alpha = jnp.exp2(m - m_use)
+    l = l * alpha + jnp.sum(p, axis=1)
+    if fp8:
+      p_op = (p * quant.P_SCALE).astype(quant.FP8_DTYPE)
+    else:
+      p_op = p.astype(v_ref.dtype)
+    if v_transposed:
+      v = v_ref[:, pl.ds(start, block_k)]
+      pv = plgpu.dot(p_op, v, trans_b=True)
+    else:
+      v = v_ref[pl.ds(start, block_k), :]
+      pv = plgpu.dot(p_op, v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l
+
+  h = o_ref.shape[-1]
+  carry = (jnp.zeros((block_q, h), jnp.float32),
+           jnp.full((block_q,), -jnp.inf, jnp.float32),
+           jnp.zeros((block_q,), jnp.float32))
+  masked_body = functools.partial(body, masked=True)
+  carry = lax.fori_loop(blo, fblo, masked_body, carry)
+  carry = lax.fori_loop(fblo, fbhi, functools.partial(body, masked=False),
+                        carry)
+  acc, m, l = lax.fori_loop(fbhi, bhi, masked_body, carry)
+
+  seen = (l > 0) & (rows < q_len)
+  p_scale = quant.P_SCALE if fp8 else 1.0
+  inv = jnp.where(seen, 1.0 / (jnp.where(seen, l, 1.0) * p_scale), 0.0)
+  out = acc * inv[:, None] * vs_ref[...][None, :]
+  if vm_ref is not None:
+    out = jnp.where(seen[:, None], out + vm_ref[...][None, :], 0.0)
+  o_ref[...] = out.astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(
+      seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * quant.LN2, -jnp.inf)
+
+
+def attention_forward(
+    qkv: quant.QuantizedQKV, spec: MaskSpec, *, q_lengths: jax.Array,
+    kv_lengths: jax.Array, config_block_q: int, out_dtype,
+    out_layout: str = "BNTH", v_transposed: bool = False,
+    int4: bool = False, tiling: KernelTiling = KernelTiling(),
+    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Runs the fused forward on quantized inputs.
+
+  Args:
+    qkv: quantized inputs (:class:`sagejax.quant.QuantizedQKV`); ``qkv.v`` is
+      ``[B, K, S_pad, H]``, or ``[B, K, H, S_pad]`` with ``v_transposed``.
+    spec: the causal / window description (``q_len``, ``kv_len`` unpadded).
+    q_lengths, kv_lengths: int32 ``[B]`` valid lengths (full when unpadded).
+    config_block_q: the quantization config's ``block_q`` (ΔS rows).
+    out_dtype: output dtype.
+    out_layout: ``"BNTH"`` or ``"BTNH"`` for the ``[B, *, T_pad, *, H]`` output.
+    int4: Q and K are INT4-packed.
+
+  Returns:
+    (output ``[B, N, T_pad, H]`` or ``[B, T_pad, N, H]``, natural-log LSE f32
+    ``[B, N, T_pad]``). Rows past ``q_lengths`` are zero.
+  """
+  b, n, t_pad, hq = qkv.q.shape
+  kh = qkv.k.shape[1]
+  g = n // kh
+  if v_transposed:
+    h, s_pad = qkv.v.shape[2], qkv.v.shape[3]
+  else:
+    s_pad, h = qkv.v.shape[2], qkv.v.shape[3]
+  bq = min(tiling.block_q, t_pad)
+  bk = min(tiling.block_k, s_pad)
+  if t_pad % bq or s_pad % bk:
+    raise ValueError(f"padded lengths T={t_pad}, S={s_pad} must be multiples "
+                     f"of the kernel blocks ({bq}, {bk}).")
+  if qkv.delta_s is not None and config_block_q % bq:
+    raise ValueError(f"kernel block_q={bq} must divide the config's block_q="
+                     f"{config_block_q} when Q is smoothed.")
+  fp8 = qkv.v.dtype == quant.FP8_DTYPE
+  kernel = functools.partial(
+      _fwd_kernel, block_q=bq, block_k=bk, int4=int4, fp8=fp8,
+      v_transposed=v_transposed, spec=spec, num_kv_blocks=s_pad // bk)
+  kv_head = lambda i, bb, nn: (bb, nn // g, 0, 0)
+  head_vec = pl.BlockSpec((None, None, h), lambda i, bb, nn: (bb, nn // g, 0))
+  per_batch = pl.BlockSpec((None,), lambda i, bb, nn: (bb,))
+  ds_spec = None
+  if qkv.delta_s is not None:
+    ratio = config_block_q // bq
+    ds_spec = pl.BlockSpec((None, None, None, s_pad),
+                           lambda i, bb, nn: (bb, nn, i // ratio, 0))
+  v_block = (None, None, h, s_pad) if v_transposed else (None, None, s_pad, h)
+  in_specs = [
+      pl.BlockSpec((None, None, bq, hq), lambda i, bb, nn: (bb, nn, i, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, bb, nn: (bb, nn, i)),
+      pl.BlockSpec((None, None, s_pad, hq), kv_head),
+      pl.BlockSpec((None, None, s_pad), lambda i, bb, nn: (bb, nn // g, 0)),
+      pl.BlockSpec(v_block, kv_head),
+      head_vec,
+      None if qkv.v_mean is None else head_vec,
+      ds_spec,
+      per_batch,
+      per_batch,
+  ]
+  if out_layout == "BTNH":
+    out_shape = (b, t_pad, n, h)
+    out_spec = pl.BlockSpec((None, bq, None, h),
+                            lambda i, bb, nn: (bb, i, nn, 0))
+  else:
+    out_shape = (b, n, t_pad, h)
+    out_spec = pl.BlockSpec((None, None, bq, h),
+                            lambda i, bb, nn: (bb, nn, i, 0))
+  return pl.pallas_call(
+      kernel, grid=(t_pad // bq, b, n), in_specs=in_specs,
+      out_specs=[out_spec,
+                 pl.BlockSpec((None, None, bq), lambda i, bb, nn: (bb, nn, i))],
+      out_shape=[jax.ShapeDtypeStruct(out_shape, out_dtype),
+                 jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
+                                           num_stages=tiling.num_stages),
+      interpret=interpret, name="sage_attention_fwd",
+  )(qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, qkv.v, qkv.v_scale, qkv.v_mean,
+    qkv.delta_s, q_lengths, kv_lengths)

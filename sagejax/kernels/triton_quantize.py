@@ -1,0 +1,193 @@
+"""Pallas (Triton) kernels that smooth and quantize Q, K and V.
+
+Each kernel reads one block of tokens of one head once, straight from the
+caller's layout (``[B, T, N, H]`` or ``[B, N, T, H]``), and writes the
+quantized block in the layout the attention kernel reads. The math is
+:mod:`sagejax.quant`'s; the group layout comes from
+:func:`sagejax.quant.token_groups` (passed in as a tiny table), so it is never
+re-derived here. Reductions over *all* tokens (K's and V's means, V's
+per-channel max) are computed by XLA beforehand and passed in.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from sagejax import quant
+from sagejax.config import SageConfig
+from sagejax.kernels._common import round_half_even
+
+
+def _token_spec(layout: str, block: int, h: int, head_of=lambda n: n):
+  """BlockSpec of one head's block of tokens, grid (token block, b, head)."""
+  if layout == "BTNH":
+    return pl.BlockSpec((None, block, None, h),
+                        lambda i, b, n: (b, i, head_of(n), 0))
+  return pl.BlockSpec((None, None, block, h),
+                      lambda i, b, n: (b, head_of(n), i, 0))
+
+
+def _group_max(row_amax, gid_ref, granularity: str):
+  """Max of ``row_amax [rows]`` over each row's quantization group."""
+  if granularity == "per_token":
+    return row_amax
+  if granularity == "per_block":
+    return jnp.broadcast_to(jnp.max(row_amax), row_amax.shape)
+  gid = gid_ref[...]
+  same = gid[:, None] == gid[None, :]
+  return jnp.max(jnp.where(same, row_amax[None, :], 0.0), axis=1)
+
+
+def _quantize_qk_kernel(x_ref, len_ref, mean_ref, gid_ref, val_ref, scale_ref,
+                        bmean_ref, *, block: int, chunks: int, qmax: int,
+                        scale_mult: float, granularity: str, interpret: bool):
+  i = pl.program_id(0)
+  length = len_ref[...]
+  valid = ((i * block + jnp.arange(block)) < length)[:, None]
+  hc = x_ref.shape[-1] // chunks
+  xs = []
+  for c in range(chunks):
+    x = jnp.where(valid, x_ref[:, pl.ds(c * hc, hc)].astype(jnp.float32), 0.0)
+    if mean_ref is not None:  # K: the mean over all tokens, from XLA.
+      x = x - mean_ref[pl.ds(c * hc, hc)][None, :]
+    if bmean_ref is not None:  # Q: the mean of this block's valid rows.
+      count = jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
+      m = jnp.sum(x, axis=0) / count
+      bmean_ref[pl.ds(c * hc, hc)] = m
+      x = x - m[None, :]
+    xs.append(jnp.where(valid, x, 0.0))
+  row_amax = jnp.max(jnp.abs(xs[0]), axis=1)
+  for x in xs[1:]:
+    row_amax = jnp.maximum(row_amax, jnp.max(jnp.abs(x), axis=1))
+  amax = _group_max(row_amax, gid_ref, granularity)
+  scale = jnp.where(amax > 0, amax / qmax, 1.0)
+  ys = [jnp.clip(round_half_even(x / scale[:, None], interpret), -qmax, qmax
+                 ).astype(jnp.int8) for x in xs]
+  if chunks == 2:  # INT4: channel c low nibble, c + H/2 high (quant.pack_int4)
+    val_ref[...] = (ys[0] & jnp.int8(0x0F)) | (ys[1] << jnp.int8(4))
+  else:
+    val_ref[...] = ys[0]
+  scale_ref[...] = scale * scale_mult
+
+
+def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
+                *, role: str, config: SageConfig, layout: str,
+                scale_mult: float = 1.0, interpret: bool = False):
+  """Quantizes Q or K, one block of tokens of one head per program.
+
+  Args:
+    x: ``[B, T, N, H]`` (``layout="BTNH"``) or ``[B, N, T, H]``; T a multiple
+      of the config's block for ``role`` and H a power of two.
+    lengths: int32 ``[B]`` valid tokens; the rest is treated as zeros.
+    mean: f32 ``[B, N, H]`` subtracted from every token (K smoothing), or None.
+      For Q with ``config.smooth_q`` each block's own mean is subtracted.
+    role: ``"q"`` or ``"k"``.
+    scale_mult: folded into the scales (``sm_scale·log2(e)`` for Q).
+
+  Returns:
+    (values int8 ``[B, N, T, H]`` or INT4-packed ``[B, N, T, H/2]``, scales
+    f32 ``[B, N, T]``, Q block means f32 ``[B, N, T/block_q, H]`` or None).
+  """
+  if layout == "BTNH":
+    b, t, n, h = x.shape
+  else:
+    b, n, t, h = x.shape
+  block = config.block_q if role == "q" else config.block_k
+  nb = t // block
+  chunks = 2 if config.qk_dtype == "int4" else 1
+  block_means = role == "q" and config.smooth_q
+  gid = jnp.asarray(quant.token_groups(block, role, config), jnp.int32)
+  kernel = functools.partial(
+      _quantize_qk_kernel, block=block, chunks=chunks, qmax=config.qmax,
+      scale_mult=float(scale_mult), granularity=config.qk_granularity,
+      interpret=interpret)
+  out_shape = [jax.ShapeDtypeStruct((b, n, t, h // chunks), jnp.int8),
+               jax.ShapeDtypeStruct((b, n, t), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, None, block, h // chunks),
+                            lambda i, bb, nn: (bb, nn, i, 0)),
+               pl.BlockSpec((None, None, block), lambda i, bb, nn: (bb, nn, i))]
+  if block_means:
+    out_shape.append(jax.ShapeDtypeStruct((b, n, nb, h), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, None, h),
+                                  lambda i, bb, nn: (bb, nn, i, 0)))
+  else:
+    out_shape.append(None)
+    out_specs.append(None)
+  in_specs = [
+      _token_spec(layout, block, h),
+      pl.BlockSpec((None,), lambda i, bb, nn: (bb,)),
+      None if mean is None else pl.BlockSpec((None, None, h),
+                                             lambda i, bb, nn: (bb, nn, 0)),
+      pl.BlockSpec((block,), lambda i, bb, nn: (0,)),
+  ]
+  values, scales, means = pl.pallas_call(
+      kernel, grid=(nb, b, n), in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      name=f"sage_quantize_{role}",
+  )(x, lengths, mean, gid)
+  return values, scales, means
+
+
+def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref, *,
+                       block: int, fp8: bool, transpose: bool):
+  i = pl.program_id(0)
+  valid = ((i * block + jnp.arange(block)) < len_ref[...])[:, None]
+  x = v_ref[...].astype(jnp.float32)
+  if mean_ref is not None:
+    x = x - mean_ref[...][None, :]
+  x = jnp.where(valid, x, 0.0)
+  if fp8:
+    x = jnp.clip(x / scale_ref[...][None, :], -quant.FP8_MAX, quant.FP8_MAX)
+  y = x.astype(out_ref.dtype)
+  out_ref[...] = y.T if transpose else y
+
+
+def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
+               scale: jax.Array, *, config: SageConfig, layout: str,
+               transpose: bool, interpret: bool = False) -> jax.Array:
+  """V to the P·V operand type, one block of tokens of one head per program.
+
+  Args:
+    v: ``[B, S, K, H]`` or ``[B, K, S, H]`` (S a multiple of ``block_k``).
+    lengths: int32 ``[B]``; tokens past it are written as zeros.
+    mean: f32 ``[B, K, H]`` subtracted first (V smoothing), or None.
+    scale: f32 ``[B, K, H]`` per-channel scale (FP8; ignored otherwise).
+    transpose: write ``[B, K, H, S]`` (FP8 tensor cores want the contraction
+      axis contiguous) instead of ``[B, K, S, H]``.
+  """
+  if layout == "BTNH":
+    b, s, kh, h = v.shape
+  else:
+    b, kh, s, h = v.shape
+  block = config.block_k
+  fp8 = config.pv_dtype == "fp8_e4m3"
+  dtype = {"fp8_e4m3": quant.FP8_DTYPE, "fp16": jnp.float16,
+           "bf16": jnp.bfloat16}[config.pv_dtype]
+  if transpose:
+    out_shape = jax.ShapeDtypeStruct((b, kh, h, s), dtype)
+    out_spec = pl.BlockSpec((None, None, h, block),
+                            lambda i, bb, nn: (bb, nn, 0, i))
+  else:
+    out_shape = jax.ShapeDtypeStruct((b, kh, s, h), dtype)
+    out_spec = pl.BlockSpec((None, None, block, h),
+                            lambda i, bb, nn: (bb, nn, i, 0))
+  head = pl.BlockSpec((None, None, h), lambda i, bb, nn: (bb, nn, 0))
+  kernel = functools.partial(_quantize_v_kernel, block=block, fp8=fp8,
+                             transpose=transpose)
+  return pl.pallas_call(
+      kernel, grid=(s // block, b, kh),
+      in_specs=[_token_spec(layout, block, h),
+                pl.BlockSpec((None,), lambda i, bb, nn: (bb,)),
+                None if mean is None else head, head],
+      out_specs=out_spec, out_shape=out_shape, interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      name="sage_quantize_v",
+  )(v, lengths, mean, scale)
