@@ -1,0 +1,145 @@
+"""One device run: check the Pallas backend, then time it beside cuDNN.
+
+  PYTHONPATH=$PWD python benchmarks/pallas_tuning.py --out $OUT [--quick]
+
+Times end to end (quantization included) and the attention kernel alone, for
+several kernel tilings, beside ``jax.nn.dot_product_attention(cudnn)`` in bf16
+in the same process; measures copy bandwidth and the quantization kernels'
+achieved bandwidth. TOPS = 4·B·N·T·S·H / t (halved when causal). Timing: warm
+up, then per repeat many dispatches over rotating input sets (> 2× L2) and
+one block_until_ready; the median over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import sagejax
+from sagejax import PRESETS, _inputs, testing
+from sagejax.backends import pallas_triton
+from sagejax.kernels.triton_attention import KernelTiling
+
+L2_BYTES = 60 << 20
+
+
+def timeit(fn, arg_sets, iters=20, reps=5):
+  """Median seconds per call of jitted ``fn`` over rotating ``arg_sets``."""
+  for a in arg_sets:
+    jax.block_until_ready(fn(*a))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(iters):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / iters)
+  return statistics.median(times)
+
+
+def input_sets(b, s, n, h, kind="normal"):
+  one = 3 * b * s * n * h * 2
+  count = max(1, math.ceil(2 * L2_BYTES / one))
+  return [testing.make_qkv(jax.random.PRNGKey(i), b, s, s, n, n, h, kind,
+                           jnp.bfloat16) for i in range(count)]
+
+
+def tops(b, n, s, h, causal, sec):
+  return 4 * b * n * s * s * h / sec / (2 if causal else 1) / 1e12
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="out")
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--seqs", default="1024,2048,4096,8192,16384")
+  ap.add_argument("--tilings", action="store_true",
+                  help="also sweep kernel tilings at H=128")
+  args = ap.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  dev = jax.devices()[0]
+  print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
+  rows = []
+
+  # Copy bandwidth (read + write).
+  x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
+  copy = jax.jit(lambda x: x + 1.0)
+  sec = timeit(copy, [(x,)], iters=10)
+  copy_bw = 2 * x.nbytes / sec / 1e9
+  print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+  del x
+
+  b, n = 4, 32
+  seqs = [int(s) for s in args.seqs.split(",")]
+  config = PRESETS["sage2-8b"]
+  for h in (128, 64):
+    for s in seqs:
+      sets = input_sets(b, s, n, h)
+      for causal in (False, True):
+        cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"))
+        e2e = jax.jit(lambda q, k, v: sagejax.attention(
+            q, k, v, is_causal=causal, implementation="pallas"))
+        call0 = _inputs.parse(*sets[0], is_causal=causal)
+        backend = pallas_triton.BACKEND
+        prep = jax.jit(lambda q, k, v: backend.prepare(
+            _inputs.parse(q, k, v, is_causal=causal), config))
+        prepared = [(prep(*a),) for a in sets]
+        tilings = [None]
+        if args.tilings and h == 128 and s in (4096, 16384):
+          tilings += [KernelTiling(128, 64, 4, 3), KernelTiling(128, 128, 8, 3),
+                      KernelTiling(128, 128, 8, 2), KernelTiling(64, 64, 4, 3),
+                      KernelTiling(128, 64, 8, 4), KernelTiling(64, 128, 4, 3),
+                      KernelTiling(128, 32, 4, 4)]
+        t_cudnn = timeit(cudnn, sets)
+        t_e2e = timeit(e2e, sets)
+        t_prep = timeit(prep, sets)
+        row = dict(h=h, s=s, causal=causal,
+                   cudnn=tops(b, n, s, h, causal, t_cudnn),
+                   pallas_e2e=tops(b, n, s, h, causal, t_e2e),
+                   quant_ms=t_prep * 1e3)
+        for tiling in tilings:
+          kern = jax.jit(lambda p, tiling=tiling: backend.kernel(
+              p, call0, config, tiling))
+          try:
+            t_k = timeit(kern, prepared)
+            row[f"kernel {tiling or 'default'}"] = tops(b, n, s, h, causal,
+                                                        t_k)
+          except Exception as e:  # a tiling that does not compile
+            row[f"kernel {tiling or 'default'}"] = f"error: {str(e)[:200]}"
+        # Quantization bandwidth: bf16 Q, K, V read once; int8 Q, K and fp8 V
+        # written; scales (4 B per token) written.
+        elems = b * s * n * h
+        qbytes = 3 * elems * 2 + 3 * elems + 2 * b * s * n * 4
+        row["quant_GBps"] = qbytes / t_prep / 1e9
+        row["quant_frac_copy"] = row["quant_GBps"] / copy_bw
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+      del sets, prepared
+  meta = dict(device=dev.device_kind, jax=jax.__version__,
+              date=datetime.date.today().isoformat(), copy_GBps=copy_bw,
+              batch=b, heads=n, config="sage2-8b")
+  with open(os.path.join(args.out, "pallas_tuning.json"), "w") as f:
+    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  print(f"\n{meta}")
+  print(f"{'H':>4} {'S':>6} {'causal':>6} {'cuDNN':>7} {'sage e2e':>8} "
+        f"{'kernel':>7} {'quant GB/s':>10} {'%copy':>6}")
+  for r in rows:
+    k = r["kernel default"]
+    k = f"{k:7.0f}" if isinstance(k, float) else "   err"
+    print(f"{r['h']:>4} {r['s']:>6} {str(r['causal']):>6} {r['cudnn']:7.0f} "
+          f"{r['pallas_e2e']:8.0f} {k} {r['quant_GBps']:10.0f} "
+          f"{100 * r['quant_frac_copy']:5.0f}%")
+
+
+if __name__ == "__main__":
+  main()
