@@ -42,6 +42,7 @@ def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prepared:
   """Quantized inputs plus what the attention kernel needs to run on them."""
