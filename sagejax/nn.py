@@ -1,0 +1,540 @@
+"""Flax Linen integration: a drop-in ``MultiHeadDotProductAttention``.
+
+Switching a Linen model to SageAttention is one import::
+
+  from sagejax.nn import MultiHeadDotProductAttention   # was flax.linen's
+
+:class:`SageMultiHeadAttention` (also exported under Flax's class names
+``MultiHeadDotProductAttention`` and ``MultiHeadAttention``, so auto-named
+submodules keep their checkpoint paths) has Flax's fields, ``__call__``
+signature, parameter tree and ``'cache'`` collection, plus ``config``,
+``implementation`` and ``quantized_cache``. :func:`attention_fn` returns a
+function with Flax's ``attention_fn`` protocol for models that already take
+one (Linen and NNX).
+
+Where the quantized path cannot serve a Flax feature (attention-weight dropout,
+``sow_weights``, custom attention einsums), that call runs Flax's own exact
+``dot_product_attention`` instead and a one-time warning says so. Nothing is
+silently approximated differently.
+
+Rows that no key may see (fully masked) give the mean of V over all keys, as
+Flax's and JAX's exact attention do (``sagejax.attention`` itself gives zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import warnings
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import linen
+from flax.linen.module import merge_param
+
+from sagejax import quant
+from sagejax.api import attention as _sage_attention
+from sagejax.config import ConfigLike, SageConfig, resolve_config
+
+Array = jax.Array
+
+_COMPUTE_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16),
+                   jnp.dtype(jnp.float32))
+_WARNED: set[str] = set()
+
+
+def _warn_fallback_once(reason: str) -> None:
+  if reason in _WARNED:
+    return
+  _WARNED.add(reason)
+  warnings.warn(
+      f"sagejax: {reason}, which the quantized path cannot serve; such calls "
+      "run Flax's exact dot_product_attention instead (warned once).",
+      UserWarning, stacklevel=4)
+
+
+# ----------------------------------------------------------------------------
+# Flax-shaped inputs ([batch..., T, N, H]) to sagejax.attention's 4-D BTNH.
+# ----------------------------------------------------------------------------
+
+
+def _flatten_batch(x: Array, n_batch: int) -> Array:
+  """``[batch..., T, N, H]`` → ``[B, T, N, H]`` (B = 1 without batch axes)."""
+  return x.reshape((math.prod(x.shape[:n_batch]),) + x.shape[n_batch:])
+
+
+def _flatten_pairwise(x: Optional[Array], batch: tuple[int, ...]
+                      ) -> Optional[Array]:
+  """A mask/bias broadcastable to ``[batch..., N, T, S]`` → ``[B|1, N|1, T|1, S|1]``.
+
+  Batch axes that are all 1 stay a single broadcast axis (nothing is copied).
+  """
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  nb = len(batch)
+  if x.ndim > nb + 3:
+    raise ValueError(f"mask/bias of shape {x.shape} has more axes than "
+                     f"[batch..., heads, q_len, kv_len] = {nb + 3}.")
+  x = x.reshape((1,) * (nb + 3 - x.ndim) + x.shape)
+  if all(d == 1 for d in x.shape[:nb]):
+    return x.reshape((1,) + x.shape[nb:])
+  x = jnp.broadcast_to(x, batch + x.shape[nb:])
+  return x.reshape((-1,) + x.shape[nb:])
+
+
+def _mean_value_where_unseen(out: Array, lse: Array, value: Array) -> Array:
+  """Rows with LSE −inf (no visible key) → mean of V over all keys (Flax's).
+
+  ``out [B, T, N, H]``, ``lse [B, N, T]``, ``value [B, S, K, H]``.
+  """
+  n, kv_heads = out.shape[2], value.shape[2]
+  mean = jnp.mean(value.astype(jnp.float32), axis=1)           # [B, K, H]
+  mean = jnp.repeat(mean, n // kv_heads, axis=1)[:, None]      # [B, 1, N, H]
+  unseen = ~jnp.isfinite(jnp.swapaxes(lse, 1, 2))[..., None]  # [B, T, N, 1]
+  return jnp.where(unseen, mean.astype(out.dtype), out)
+
+
+def _sage_flax_shaped(query: Array, key: Array, value: Array,
+                      bias: Optional[Array], mask: Optional[Array],
+                      is_causal: bool, kv_lengths: Optional[Array],
+                      config: SageConfig, implementation: Optional[str]
+                      ) -> Array:
+  batch = query.shape[:-3]
+  q, k, v = (_flatten_batch(x, len(batch)) for x in (query, key, value))
+  m = _flatten_pairwise(mask, batch)
+  if m is not None:
+    m = m.astype(jnp.bool_)
+  out, lse = _sage_attention(
+      q, k, v, _flatten_pairwise(bias, batch), m, is_causal=is_causal,
+      key_value_seq_lengths=kv_lengths, config=config,
+      implementation=implementation, return_lse=True)
+  if m is not None:
+    out = _mean_value_where_unseen(out, lse, v)
+  return out.reshape(query.shape)
+
+
+def _exact_flax(query, key, value, bias, mask, *, broadcast_dropout,
+                dropout_rng, dropout_rate, deterministic, dtype, precision,
+                module, is_causal, force_fp32_for_softmax,
+                qk_attn_weights_einsum, attn_weights_value_einsum,
+                kv_lengths) -> Array:
+  """Flax's own exact attention, with causal and KV lengths folded into mask."""
+  t, s = query.shape[-3], key.shape[-3]
+  masks = [] if mask is None else [jnp.asarray(mask).astype(jnp.bool_)]
+  if is_causal:
+    masks.append(jnp.tril(jnp.ones((t, s), jnp.bool_)))
+  if kv_lengths is not None:
+    valid = jnp.arange(s)[None, :] < kv_lengths[:, None]
+    masks.append(valid.reshape(query.shape[:-3] + (1, 1, s)))
+  mask = functools.reduce(jnp.logical_and, masks) if masks else None
+  linen_only = (isinstance(module, linen.Module) or force_fp32_for_softmax
+                or qk_attn_weights_einsum is not None
+                or attn_weights_value_einsum is not None)
+  if linen_only:
+    groups = query.shape[-2] // key.shape[-2]
+    if groups > 1:  # Linen's exact attention has no GQA.
+      key, value = (jnp.repeat(x, groups, axis=-2) for x in (key, value))
+    return linen.dot_product_attention(
+        query, key, value, bias, mask, broadcast_dropout, dropout_rng,
+        dropout_rate, deterministic, dtype, precision, module,
+        force_fp32_for_softmax,
+        qk_attn_weights_einsum=qk_attn_weights_einsum,
+        attn_weights_value_einsum=attn_weights_value_einsum)
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return nnx.dot_product_attention(
+      query, key, value, bias, mask, broadcast_dropout, dropout_rng,
+      dropout_rate, deterministic, dtype, precision, module)
+
+
+@dataclasses.dataclass(frozen=True)
+class SageAttentionFn:
+  """SageAttention with Flax's ``attention_fn`` protocol (see :func:`attention_fn`).
+
+  Frozen and hashable, so modules holding it stay valid jit static data.
+  """
+
+  config: SageConfig
+  implementation: Optional[str] = None
+
+  def __call__(
+      self,
+      query: Array,
+      key: Array,
+      value: Array,
+      bias: Optional[Array] = None,
+      mask: Optional[Array] = None,
+      broadcast_dropout: bool = True,
+      dropout_rng: Optional[Array] = None,
+      dropout_rate: float = 0.0,
+      deterministic: bool = False,
+      dtype: Any = None,
+      precision: Any = None,
+      module: Any = None,
+      is_causal: bool = False,
+      force_fp32_for_softmax: bool = False,
+      qk_attn_weights_einsum: Optional[Callable[..., Array]] = None,
+      attn_weights_value_einsum: Optional[Callable[..., Array]] = None,
+      key_value_seq_lengths: Optional[Array] = None,
+  ) -> Array:
+    """Attention over ``query [batch..., T, N, H]``, ``key``/``value [batch..., S, K, H]``.
+
+    ``mask`` (True or nonzero = attend) and ``bias`` broadcast to ``[batch...,
+    N, T, S]``; ``is_causal`` is top-left aligned (JAX's). ``precision`` and
+    ``force_fp32_for_softmax`` only matter for the exact fallback (the
+    quantized softmax is FP32 anyway). ``key_value_seq_lengths`` (int ``[B]``,
+    B the product of the batch axes) is a sagejax extension the modules use
+    while decoding. Returns ``[batch..., T, N, H]`` in ``dtype`` (default: the
+    inputs' promoted dtype).
+    """
+    reason = None
+    if module is not None:
+      reason = "attention weights were requested (sow_weights=True)"
+    elif dropout_rate > 0.0 and not deterministic:
+      reason = "attention-weight dropout is active (dropout_rate > 0)"
+    elif (qk_attn_weights_einsum is not None
+          or attn_weights_value_einsum is not None):
+      reason = "custom attention einsums were given"
+    if reason is not None:
+      _warn_fallback_once(reason)
+      return _exact_flax(
+          query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
+          dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+          deterministic=deterministic, dtype=dtype, precision=precision,
+          module=module, is_causal=is_causal,
+          force_fp32_for_softmax=force_fp32_for_softmax,
+          qk_attn_weights_einsum=qk_attn_weights_einsum,
+          attn_weights_value_einsum=attn_weights_value_einsum,
+          kv_lengths=key_value_seq_lengths)
+    out_dtype = (jnp.dtype(dtype) if dtype is not None
+                 else jnp.result_type(query, key, value))
+    compute = out_dtype if out_dtype in _COMPUTE_DTYPES else jnp.float32
+    q, k, v = (jnp.asarray(x).astype(compute) for x in (query, key, value))
+    out = _sage_flax_shaped(q, k, v, bias, mask, is_causal,
+                            key_value_seq_lengths, self.config,
+                            self.implementation)
+    return out.astype(out_dtype)
+
+
+def attention_fn(config: ConfigLike = "sage2-8b",
+                 implementation: Optional[str] = None) -> SageAttentionFn:
+  """SageAttention as a Flax ``attention_fn``.
+
+  Example::
+
+    attn = flax.linen.MultiHeadDotProductAttention(
+        num_heads=8, attention_fn=sagejax.nn.attention_fn("sage2-8b"))
+
+  The function takes ``(query, key, value, bias=None, mask=None, *, ...)`` with
+  the keyword arguments Linen passes (it filters them by this signature) and
+  those NNX passes (``mask``, ``dropout_rng``, ``dropout_rate``,
+  ``broadcast_dropout``, ``deterministic``, ``dtype``, ``precision``,
+  ``module``, ``is_causal``). Shapes are Flax's: ``[batch..., T, N, H]``,
+  ``key``/``value`` may have fewer (KV) heads.
+
+  Falls back to Flax's exact ``dot_product_attention`` (with a one-time
+  warning) when dropout on the attention weights is active, when ``module`` is
+  given (``sow_weights``: the weights must exist), or with custom einsums.
+
+  Args:
+    config: a :class:`sagejax.SageConfig` or preset name.
+    implementation: backend for :func:`sagejax.attention` (None: fastest).
+  """
+  return SageAttentionFn(resolve_config(config), implementation)
+
+
+dot_product_attention = attention_fn()
+"""``attention_fn()`` with the default preset: for Flax's function's slot."""
+
+
+# ----------------------------------------------------------------------------
+# KV cache: Flax's plain layout or INT8 K / FP8 V with per-token scales.
+# ----------------------------------------------------------------------------
+
+# One INT8 scale per (token, head) row: quant's per-token groups reduce over
+# the last (channel) axis only, so they apply to [..., S, K, H] as is.
+_CACHE_KEY_CONFIG = SageConfig(qk_dtype="int8", qk_granularity="per_token")
+
+
+def quantize_cache_key(key: Array) -> tuple[Array, Array]:
+  """K ``[..., S, K, H]`` → (int8 ``[..., S, K, H]``, f32 scale ``[..., S, K]``)."""
+  return quant.quantize_groups(key, "k", _CACHE_KEY_CONFIG)
+
+
+def quantize_cache_value(value: Array) -> tuple[Array, Array]:
+  """V ``[..., S, K, H]`` → (FP8 e4m3 ``[..., S, K, H]``, f32 scale ``[..., S, K]``).
+
+  One scale per (token, head) over the channels, so a token's entry never
+  changes as later tokens arrive (a per-channel scale would).
+  """
+  values, scale = quant.quantize_v_fp8(jnp.swapaxes(value, -1, -2))
+  return jnp.swapaxes(values, -1, -2), scale
+
+
+def dequantize_cache(key_values: Array, key_scale: Array, value_values: Array,
+                     value_scale: Array, dtype) -> tuple[Array, Array]:
+  """Inverse of the two quantizers above, in ``dtype``."""
+  key = quant.dequantize_qk(key_values, key_scale, _CACHE_KEY_CONFIG)
+  value = value_values.astype(jnp.float32) * value_scale[..., None]
+  return key.astype(dtype), value.astype(dtype)
+
+
+def cache_layout(shape: tuple[int, ...], dtype, quantized: bool
+                 ) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """Cache variables (besides ``cache_index``) for K/V of ``shape [..., S, K, H]``.
+
+  Plain: Flax's ``cached_key``/``cached_value`` in ``dtype``. Quantized:
+  ``cached_key`` int8 and ``cached_value`` float8_e4m3fn, with f32
+  ``cached_key_scale``/``cached_value_scale [..., S, K]``: ``2·(H + 4)`` bytes
+  per token and KV head instead of ``2·2·H`` (bf16) or ``2·4·H`` (f32).
+  """
+  shape = tuple(shape)
+  if not quantized:
+    return {"cached_key": (shape, dtype), "cached_value": (shape, dtype)}
+  return {"cached_key": (shape, jnp.int8),
+          "cached_key_scale": (shape[:-1], jnp.float32),
+          "cached_value": (shape, quant.FP8_DTYPE),
+          "cached_value_scale": (shape[:-1], jnp.float32)}
+
+
+def write_cache(cache: dict[str, Array], index: Array, key: Array,
+                value: Array) -> tuple[dict[str, Array], Array, Array]:
+  """Writes one step's ``key``/``value [..., 1, K, H]`` at ``index``.
+
+  Returns the updated cache (same names) and the whole cached K and V,
+  ``[..., S, K, H]`` in ``key.dtype`` (dequantized for a quantized cache).
+  """
+  *batch, _, heads, depth = cache["cached_key"].shape
+  want = (*batch, 1, heads, depth)
+  if key.shape != want or value.shape != want:
+    raise ValueError(
+        f"Autoregressive cache shape error: decoding takes one token at a "
+        f"time, expected key/value of shape {want}, got {key.shape} and "
+        f"{value.shape}.")
+  zero = jnp.zeros((), index.dtype)
+  start = (zero,) * len(batch) + (index, zero, zero)
+  update = jax.lax.dynamic_update_slice
+  new = dict(cache)
+  if "cached_key_scale" not in cache:
+    new["cached_key"] = update(cache["cached_key"], key, start)
+    new["cached_value"] = update(cache["cached_value"], value, start)
+    return new, new["cached_key"], new["cached_value"]
+  for name, (values, scale) in (("key", quantize_cache_key(key)),
+                                ("value", quantize_cache_value(value))):
+    new[f"cached_{name}"] = update(cache[f"cached_{name}"], values, start)
+    new[f"cached_{name}_scale"] = update(cache[f"cached_{name}_scale"], scale,
+                                         start[:-1])
+  full_key, full_value = dequantize_cache(
+      new["cached_key"], new["cached_key_scale"], new["cached_value"],
+      new["cached_value_scale"], key.dtype)
+  return new, full_key, full_value
+
+
+def decode_attention_inputs(fn: Callable[..., Array], mask: Optional[Array],
+                            index: Array, batch: tuple[int, ...], length: int
+                            ) -> tuple[Optional[Array], dict[str, Array]]:
+  """The mask and extra kwargs for one decode step reading keys ``<= index``.
+
+  sagejax's function gets the valid length (padding then stays out of the
+  quantization statistics); any other ``attention_fn`` gets Flax's combined
+  mask.
+  """
+  if isinstance(fn, SageAttentionFn):
+    lengths = jnp.full((math.prod(batch),), index + 1, jnp.int32)
+    return mask, {"key_value_seq_lengths": lengths}
+  seen = jnp.broadcast_to(jnp.arange(length) <= index, batch + (1, 1, length))
+  return linen.combine_masks(mask, seen), {}
+
+
+def call_attention_fn(fn: Callable[..., Array], args: tuple[Array, ...],
+                      kwargs: dict[str, Any], filter_kwargs: bool,
+                      **unfiltered: Any) -> Array:
+  """Calls ``fn``; with ``filter_kwargs`` (Linen's rule) drops the ``kwargs``
+  its signature lacks. ``unfiltered`` kwargs are always passed."""
+  if filter_kwargs and not isinstance(fn, SageAttentionFn):
+    params = inspect.signature(fn).parameters
+    kwargs = {k: v for k, v in kwargs.items() if k in params}
+  return fn(*args, **kwargs, **unfiltered)
+
+
+# ----------------------------------------------------------------------------
+# The Linen module.
+# ----------------------------------------------------------------------------
+
+
+def resolve_inputs(inputs_q: Array, inputs_k: Optional[Array],
+                   inputs_v: Optional[Array]) -> tuple[Array, Array]:
+  """Flax's defaults: K from Q, V from K."""
+  if inputs_k is None:
+    if inputs_v is not None:
+      raise ValueError("inputs_v was given without inputs_k; pass the shared "
+                       "array as inputs_k and leave inputs_v None.")
+    inputs_k = inputs_q
+  return inputs_k, inputs_k if inputs_v is None else inputs_v
+
+
+class SageMultiHeadAttention(linen.MultiHeadDotProductAttention):
+  """SageAttention drop-in for :class:`flax.linen.MultiHeadDotProductAttention`.
+
+  Same fields, ``__call__`` and parameters (``query``/``key``/``value``
+  ``[features, N, H]`` kernels and ``[N, H]`` biases, ``out [N, H, features]``,
+  ``query_ln``/``key_ln`` scales with ``normalize_qk``), so Flax checkpoints
+  load unchanged. With ``decode=True`` the ``'cache'`` collection holds
+  ``cached_key``/``cached_value [batch..., S, N, H]`` and ``cache_index``, as
+  Flax's, or the quantized layout below.
+
+  Attributes (beyond Flax's):
+    attention_fn: None (default) for SageAttention with ``config``; any Flax
+      ``attention_fn`` replaces it (``config`` is then unused).
+    config: :class:`sagejax.SageConfig` or preset name (default
+      ``"sage2-8b"``).
+    implementation: backend for :func:`sagejax.attention` (None: fastest).
+    quantized_cache: decode with INT8 K (per-token scales) and FP8 e4m3 V
+      (per-token, per-head scales) in the cache: ``cached_key`` int8,
+      ``cached_value`` float8_e4m3fn, plus f32 ``cached_key_scale`` and
+      ``cached_value_scale [batch..., S, N]``, about half the memory of a bf16
+      cache. Entries are dequantized on read; the attention itself is as
+      configured.
+
+  Fallbacks: with attention dropout active (``dropout_rate > 0`` and not
+  deterministic) or ``sow_weights=True`` the call runs Flax's exact
+  ``dot_product_attention`` (same dropout mask as Flax for the same rng) and
+  warns once. Fully masked query rows give the mean of V, as in Flax.
+  """
+
+  attention_fn: Optional[Callable[..., Array]] = None
+  config: ConfigLike = "sage2-8b"
+  implementation: Optional[str] = None
+  quantized_cache: bool = False
+
+  def resolved_attention_fn(self) -> Callable[..., Array]:
+    if self.attention_fn is not None:
+      return self.attention_fn
+    return attention_fn(self.config, self.implementation)
+
+  @linen.compact
+  def __call__(
+      self,
+      inputs_q: Array,
+      inputs_k: Optional[Array] = None,
+      inputs_v: Optional[Array] = None,
+      *,
+      inputs_kv: Optional[Array] = None,
+      mask: Optional[Array] = None,
+      deterministic: Optional[bool] = None,
+      dropout_rng: Optional[Array] = None,
+      sow_weights: bool = False,
+  ) -> Array:
+    """Multi-head attention of ``inputs_q [batch..., T, features]``.
+
+    Args:
+      inputs_q: queries ``[batch..., T, features]``.
+      inputs_k: keys ``[batch..., S, features]``; default ``inputs_q``.
+      inputs_v: values ``[batch..., S, features]``; default ``inputs_k``.
+      inputs_kv: deprecated (as in Flax): keys and values at once.
+      mask: bool (or 0/1) ``[batch..., N|1, T, S]``, True = attend.
+      deterministic: disables dropout; merged with the field as in Flax.
+      dropout_rng: dropout key; default ``self.make_rng('dropout')``.
+      sow_weights: store the attention weights in ``'intermediates'`` (exact
+        fallback).
+
+    Returns:
+      ``[batch..., T, out_features or features]``.
+    """
+    if inputs_kv is not None:
+      if inputs_k is not None or inputs_v is not None:
+        raise ValueError("Pass either inputs_kv or inputs_k/inputs_v.")
+      warnings.warn("inputs_kv is deprecated in Flax; pass inputs_k instead.",
+                    DeprecationWarning, stacklevel=2)
+      inputs_k = inputs_kv
+    inputs_k, inputs_v = resolve_inputs(inputs_q, inputs_k, inputs_v)
+    features = self.out_features or inputs_q.shape[-1]
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    if qkv_features % self.num_heads:
+      raise ValueError(f"qkv_features={qkv_features} is not divisible by "
+                       f"num_heads={self.num_heads}.")
+    head_dim = qkv_features // self.num_heads
+    projection = functools.partial(
+        linen.DenseGeneral, features=(self.num_heads, head_dim), axis=-1,
+        dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, bias_init=self.bias_init,
+        use_bias=self.use_bias, precision=self.precision,
+        dot_general=self.qkv_dot_general,
+        dot_general_cls=self.qkv_dot_general_cls)
+    query = projection(name="query")(inputs_q)
+    key = projection(name="key")(inputs_k)
+    value = projection(name="value")(inputs_v)
+    if self.normalize_qk:
+      norm = functools.partial(linen.LayerNorm, use_bias=False,
+                               dtype=self.dtype, param_dtype=self.param_dtype)
+      query = norm(name="query_ln")(query)
+      key = norm(name="key_ln")(key)
+
+    fn = self.resolved_attention_fn()
+    extra: dict[str, Any] = {}
+    if self.decode:
+      key, value, mask, extra = self._decode_step(fn, key, value, mask)
+
+    if self.dropout_rate > 0.0:
+      deterministic = merge_param("deterministic", self.deterministic,
+                                  deterministic)
+      if not deterministic and dropout_rng is None:
+        dropout_rng = self.make_rng("dropout")
+    else:
+      deterministic = True
+    kwargs = dict(
+        mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+        broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
+        dtype=self.dtype, precision=self.precision,
+        force_fp32_for_softmax=self.force_fp32_for_softmax, **extra)
+    if self.qk_attn_weights_einsum_cls or self.attn_weights_value_einsum_cls:
+      kwargs["qk_attn_weights_einsum"] = (
+          self.qk_attn_weights_einsum_cls and self.qk_attn_weights_einsum_cls())
+      kwargs["attn_weights_value_einsum"] = (
+          self.attn_weights_value_einsum_cls
+          and self.attn_weights_value_einsum_cls())
+    if sow_weights:  # Flax hands the module over unfiltered.
+      extra_kwargs = {"module": self}
+    else:
+      extra_kwargs = {}
+    x = call_attention_fn(fn, (query, key, value), kwargs, filter_kwargs=True,
+                          **extra_kwargs)
+    return linen.DenseGeneral(
+        features=features, axis=(-2, -1),
+        kernel_init=self.out_kernel_init or self.kernel_init,
+        bias_init=self.out_bias_init or self.bias_init,
+        use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, precision=self.precision,
+        dot_general=self.out_dot_general,
+        dot_general_cls=self.out_dot_general_cls, name="out")(x)
+
+  def _decode_step(self, fn, key, value, mask):
+    """Creates the cache on init; afterwards appends one token and reads all."""
+    initialized = self.has_variable("cache", "cached_key")
+    layout = cache_layout(key.shape, key.dtype, self.quantized_cache)
+    variables = {name: self.variable("cache", name, jnp.zeros, shape, dtype)
+                 for name, (shape, dtype) in layout.items()}
+    index = self.variable("cache", "cache_index",
+                          lambda: jnp.array(0, jnp.int32))
+    if not initialized:
+      return key, value, mask, {}
+    cache, key, value = write_cache(
+        {name: var.value for name, var in variables.items()}, index.value,
+        key, value)
+    for name, var in variables.items():
+      var.value = cache[name]
+    mask, extra = decode_attention_inputs(fn, mask, index.value,
+                                          key.shape[:-3], key.shape[-3])
+    index.value = index.value + 1
+    return key, value, mask, extra
+
+
+class MultiHeadDotProductAttention(SageMultiHeadAttention):
+  """:class:`SageMultiHeadAttention` under Flax's class name (same auto-names)."""
+
+
+class MultiHeadAttention(SageMultiHeadAttention):
+  """:class:`SageMultiHeadAttention` under Flax's alias name (same auto-names)."""
