@@ -30,7 +30,7 @@ def default_tiling(head_dim: int, config: SageConfig) -> KernelTiling:
   if head_dim <= 64:
     return KernelTiling(block_q=128, block_k=64, num_warps=4, num_stages=3)
   if head_dim <= 128:
-    return KernelTiling(block_q=128, block_k=64, num_warps=8, num_stages=3)
+    return KernelTiling(block_q=128, block_k=128, num_warps=8, num_stages=3)
   return KernelTiling(block_q=64, block_k=32, num_warps=4, num_stages=2)
 
 
@@ -75,6 +75,8 @@ class _PallasTritonBackend:
   def unsupported(self, call: ParsedCall, config: SageConfig
                   ) -> Optional[str]:
     _, _, _, h, _, _ = call.dims
+    if call.sm_scale <= 0:
+      return "the kernel needs a positive scale"
     if call.mask is not None:
       return "explicit mask arrays are not supported by the kernel yet"
     if call.bias is not None:
@@ -90,14 +92,21 @@ class _PallasTritonBackend:
       return "head dims below 17 are padded to 32 only by the 'xla' path"
     return None
 
-  def prepare(self, call: ParsedCall, config: SageConfig) -> Prepared:
-    """Smooths and quantizes Q, K, V with the Pallas quantization kernels."""
+  def prepare(self, call: ParsedCall, config: SageConfig,
+              tiling: Optional[KernelTiling] = None) -> Prepared:
+    """Smooths and quantizes Q, K, V with the Pallas quantization kernels.
+
+    Token axes are padded to multiples of both the config's blocks and the
+    kernel's tiles (all powers of two).
+    """
     b, n, t, h, kh, s = call.dims
     hp = max(32, next_pow2(h))
+    tiling = tiling or default_tiling(hp, config)
     layout = call.layout
     t_ax, s_ax = (1, 1) if layout == "BTNH" else (2, 2)
-    t_pad = -(-t // config.block_q) * config.block_q
-    s_pad = -(-s // config.block_k) * config.block_k
+    bq = max(config.block_q, min(tiling.block_q, next_pow2(t)))
+    bk = max(config.block_k, min(tiling.block_k, next_pow2(s)))
+    t_pad, s_pad = -(-t // bq) * bq, -(-s // bk) * bk
     q = _pad_axis(_pad_axis(call.q, 3, hp), t_ax, t_pad)
     k = _pad_axis(_pad_axis(call.k, 3, hp), s_ax, s_pad)
     v = _pad_axis(_pad_axis(call.v, 3, hp), s_ax, s_pad)
@@ -148,7 +157,7 @@ class _PallasTritonBackend:
              tiling: Optional[KernelTiling] = None):
     """The attention kernel alone on prepared inputs: (output, lse)."""
     b, n, t, h, kh, s = call.dims
-    tiling = tiling or default_tiling(h, config)
+    tiling = tiling or default_tiling(max(32, next_pow2(h)), config)
     if prepared.qkv.delta_s is not None:
       tiling = dataclasses.replace(
           tiling, block_q=min(tiling.block_q, config.block_q))
@@ -167,7 +176,9 @@ class _PallasTritonBackend:
 
   def forward(self, call: ParsedCall, config: SageConfig
               ) -> tuple[jax.Array, jax.Array]:
-    return self.kernel(self.prepare(call, config), call, config)
+    tiling = default_tiling(max(32, next_pow2(call.dims[3])), config)
+    return self.kernel(self.prepare(call, config, tiling), call, config,
+                       tiling)
 
 
 BACKEND = _PallasTritonBackend()
