@@ -1,0 +1,341 @@
+"""``sagejax-bench``: does sagejax pay off on this machine?
+
+Subcommands ``speed``, ``accuracy``, ``memory`` and ``all`` (the default);
+see ``sagejax-bench --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from sagejax.bench import (accuracy, env, memory, methods, progress, report,
+                           settings as st, speed)
+from sagejax.config import GRANULARITIES, PRESETS
+from sagejax.testing import DATA_KINDS
+
+_ALIASES = {"tokamax": ("tokamax-mosaic", "tokamax-triton")}
+
+
+def _size(text: str) -> int:
+  """``'4096'``, ``'4k'`` or ``'16K'`` → int."""
+  t = text.strip().lower()
+  try:
+    value = int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"expected a size like 4096 or 4k, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {text!r}")
+  return value
+
+
+def _names(values: Optional[Sequence[str]]) -> Optional[list[str]]:
+  """Flattens ``['a,b', 'c']`` → ``['a', 'b', 'c']``; None stays None."""
+  if values is None:
+    return None
+  return [v for x in values for v in x.split(",") if v]
+
+
+def _sizes(values: Optional[Sequence[str]], parser, flag: str
+           ) -> Optional[list[int]]:
+  names = _names(values)
+  if names is None:
+    return None
+  try:
+    return [_size(v) for v in names]
+  except argparse.ArgumentTypeError as e:
+    parser.error(f"{flag}: {e}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="sagejax-bench",
+      description="Speed, accuracy and memory of sagejax attention beside "
+      "jax.nn.dot_product_attention (xla; cuDNN on GPU), tokamax and Pallas "
+      "Mosaic GPU attention when available. Writes results.json, results.md "
+      "and PNG plots to --out.",
+      epilog="Examples: sagejax-bench --quick | sagejax-bench speed --seq 1k "
+      "4k --head-dim 128 | sagejax-bench accuracy --seq 4096 --head-dim 128 "
+      "--batch 2 --heads 8")
+  p.add_argument("command", nargs="?", default="all",
+                 choices=("all",) + st.COMMANDS,
+                 help="what to measure (default: all)")
+  p.add_argument("--quick", action="store_true",
+                 help="tiny shapes and few repeats (about a minute on a CPU)")
+  p.add_argument("--out", default="bench_out", type=pathlib.Path,
+                 help="output folder (default: bench_out)")
+  p.add_argument("--backends", nargs="+", metavar="NAME",
+                 help="methods to run, comma or space separated: sagejax "
+                 "backends (xla, pallas, pallas-interpret: the Pallas kernels "
+                 "under the interpreter, for CPU checks) and baselines "
+                 "(jax-xla, cudnn, tokamax-mosaic, tokamax-triton, tokamax, "
+                 "mgpu); default: all that run here")
+  p.add_argument("--presets", nargs="+", metavar="NAME",
+                 help=f"sagejax presets {tuple(PRESETS)} or 'all' (default: "
+                 "sage2-8b for speed and memory, all for accuracy)")
+  p.add_argument("--granularities", nargs="+", metavar="NAME",
+                 help=f"accuracy: Q/K scale granularities {GRANULARITIES} "
+                 "(default: all)")
+  p.add_argument("--data", nargs="+", metavar="KIND",
+                 help=f"accuracy: input kinds {DATA_KINDS} (default: all; "
+                 "--quick: the first two)")
+  p.add_argument("--seq", nargs="+", metavar="S",
+                 help="sequence lengths T = S, e.g. 1k 4k 16k")
+  p.add_argument("--head-dim", nargs="+", metavar="H", help="head dims")
+  p.add_argument("--batch", type=int, help="batch size B")
+  p.add_argument("--heads", type=int, help="query heads N")
+  p.add_argument("--kv-heads", type=int,
+                 help="key/value heads K (default: N; fewer for GQA)")
+  p.add_argument("--causal", action=argparse.BooleanOptionalAction,
+                 default=None,
+                 help="only causal (--causal) or only not (--no-causal); "
+                 "default both")
+  p.add_argument("--dtype", choices=("float16", "bfloat16"),
+                 default="float16", help="sagejax input dtype (default "
+                 "float16; jax.nn, cuDNN and tokamax run in bfloat16)")
+  p.add_argument("--memory-seq", metavar="S",
+                 help="memory: the long sequence length (default 16k on GPU)")
+  p.add_argument("--repeats", type=int, help="timing repeats (median)")
+  p.add_argument("--no-kernel-only", dest="kernel_only",
+                 action="store_false",
+                 help="speed: skip kernel-only (pre-quantized) timing")
+  p.add_argument("--no-plots", dest="plots", action="store_false",
+                 help="do not draw PNG plots")
+  p.add_argument("--no-progress", dest="progress", action="store_false",
+                 help="no progress bar")
+  p.add_argument("--write-results", type=pathlib.Path, metavar="PATH",
+                 help="also write this run as a section of PATH (e.g. "
+                 "benchmarks/RESULTS.md) with its plots in PATH's plots/")
+  p.add_argument("--section", help="section name for --write-results "
+                 "(default: platform and command, e.g. cpu-quick)")
+  p.add_argument("--seed", type=int, default=0, help="random seed")
+  return p
+
+
+def _choose(parser, flag: str, given: Optional[list[str]],
+            allowed: Sequence[str], default: Sequence[str]) -> list[str]:
+  if given is None:
+    return list(default)
+  if given == ["all"]:
+    return list(allowed)
+  for name in given:
+    if name not in allowed:
+      parser.error(f"{flag}: unknown name {name!r}; choose from "
+                   f"{', '.join(allowed)} or 'all'.")
+  return list(dict.fromkeys(given))
+
+
+def _split_backends(parser, given: Optional[list[str]], quick: bool
+                    ) -> tuple[list[str], list[str]]:
+  """``--backends`` → (sagejax backend names, baseline names).
+
+  By default: every sagejax backend available here (with ``--quick`` off a
+  GPU, also the Pallas kernels under the interpreter) and every baseline.
+  """
+  sage_names = methods.sage_backend_names()
+  known = sage_names + list(methods.BASELINES) + list(_ALIASES)
+  if given is None or given == ["all"]:
+    sage = [n for n in sage_names if n != methods.INTERPRET
+            and methods.sage_backend(n).available()]
+    if quick and not env.is_gpu() and methods.INTERPRET in sage_names:
+      sage.append(methods.INTERPRET)
+    return sage, list(methods.BASELINES)
+  sage, base = [], []
+  for name in given:
+    if name in sage_names:
+      sage.append(name)
+    elif name in methods.BASELINES:
+      base.append(name)
+    elif name in _ALIASES:
+      base.extend(_ALIASES[name])
+    else:
+      parser.error(f"--backends: unknown backend {name!r}; choose from "
+                   f"{', '.join(known)}.")
+  runnable = [n for n in sage if methods.sage_backend(n).available()]
+  runnable += [n for n in base if env.is_gpu() or n not in methods.GPU_ONLY]
+  if not runnable:
+    parser.error(f"--backends: none of {', '.join(given)} can run on "
+                 f"{env.device_name()} ({jax.default_backend()}); try xla, "
+                 f"jax-xla or {methods.INTERPRET}.")
+  return list(dict.fromkeys(sage)), list(dict.fromkeys(base))
+
+
+def _positive(parser, flag: str, value: Optional[int]) -> None:
+  if value is not None and value < 1:
+    parser.error(f"{flag} must be >= 1, got {value}.")
+
+
+def _check_memory(parser, limit: Optional[int], need: int, what: str,
+                  shape: methods.Shape) -> None:
+  """Exits with a clear message when a shape cannot fit (before allocating)."""
+  if limit is not None and need > 0.9 * limit:
+    parser.error(
+        f"{what} at {shape.describe()} needs about {env.fmt_bytes(need)}, "
+        f"more than the {env.fmt_bytes(limit)} of memory on {env.device_name()}"
+        "; pass a smaller --seq, --batch or --heads.")
+
+
+def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser
+            ) -> tuple[st.Settings, list[str]]:
+  """Checks the arguments and fills in the defaults."""
+  notes: list[str] = []
+  commands = st.COMMANDS if args.command == "all" else (args.command,)
+  for flag in ("batch", "heads", "kv_heads", "repeats"):
+    _positive(parser, "--" + flag.replace("_", "-"), getattr(args, flag))
+  seqs = _sizes(args.seq, parser, "--seq")
+  head_dims = _sizes(args.head_dim, parser, "--head-dim")
+  memory_seq = _sizes([args.memory_seq] if args.memory_seq else None, parser,
+                      "--memory-seq")
+  for h in head_dims or ():
+    if h > 256:
+      parser.error(f"--head-dim: sagejax supports head dims up to 256, got "
+                   f"{h}.")
+  sage, baselines = _split_backends(parser, _names(args.backends),
+                                    args.quick)
+  presets = _names(args.presets)
+  speed_presets = _choose(parser, "--presets", presets, list(PRESETS),
+                          ["sage2-8b"])
+  accuracy_presets = _choose(parser, "--presets", presets, list(PRESETS),
+                             list(PRESETS))
+  granularities = _choose(parser, "--granularities", _names(args.granularities),
+                          GRANULARITIES, GRANULARITIES)
+  data_kinds = _choose(parser, "--data", _names(args.data), DATA_KINDS,
+                       st.DATA_QUICK if args.quick else DATA_KINDS)
+  causal = [False, True] if args.causal is None else [args.causal]
+
+  gpu = env.is_gpu()
+  shape_flags = any(x is not None for x in (args.seq, args.head_dim,
+                                            args.batch, args.heads))
+  small = args.quick or not gpu
+  if not args.quick and not gpu and not shape_flags and (
+      "speed" in commands or "memory" in commands):
+    notes.append(f"no GPU ({jax.default_backend()}): speed and memory use the "
+                 "--quick shapes; pass --seq/--head-dim/--batch/--heads for "
+                 "others.")
+  sp = st.SPEED_QUICK if small else st.SPEED_FULL
+  ac = st.ACCURACY_QUICK if args.quick else st.ACCURACY_FULL
+
+  def pick(defaults, seqs_, hds_):
+    return dict(batch=args.batch or defaults["batch"],
+                heads=args.heads or defaults["heads"],
+                kv_heads=args.kv_heads, seqs=seqs_ or defaults["seqs"],
+                head_dims=hds_ or defaults["head_dims"], causal=causal)
+
+  speed_shapes = st.grid(**pick(sp, seqs, head_dims))
+  for s in (speed_shapes[0], st.grid(**pick(ac, seqs, head_dims))[0]):
+    if s.heads % s.kv_heads:
+      parser.error(f"--heads {s.heads} must be a multiple of --kv-heads "
+                   f"{s.kv_heads}.")
+  accuracy_shapes = st.grid(**pick(ac, seqs, head_dims))
+  accuracy_shapes = [dataclasses.replace(s, causal=False)
+                     for s in accuracy_shapes if s.causal == causal[0]]
+  mem_seq = (memory_seq[0] if memory_seq else
+             st.MEMORY_SEQ_QUICK if small else st.MEMORY_SEQ_FULL)
+  s0 = speed_shapes[0]
+  memory_shape = methods.Shape(s0.batch, s0.heads, s0.kv_heads, mem_seq,
+                               max(s.head_dim for s in speed_shapes))
+
+  limit = env.memory_limit()
+  if "speed" in commands:
+    big = max(speed_shapes, key=lambda s: s.qkv_bytes())
+    _check_memory(parser, limit, big.qkv_bytes(2), "speed", big)
+  if "memory" in commands:
+    _check_memory(parser, limit, memory_shape.qkv_bytes(2), "memory",
+                  memory_shape)
+  if "accuracy" in commands:
+    big = max(accuracy_shapes, key=lambda s: s.batch * s.heads * s.seq ** 2)
+    scores = 3 * 4 * big.batch * big.heads * big.seq * big.seq
+    _check_memory(parser, limit, scores + big.qkv_bytes(4),
+                  "accuracy (the exact fp32 reference)", big)
+
+  timing = st.TIMING_QUICK if small else st.TIMING_GPU
+  timing = dataclasses.replace(timing, l2_bytes=env.l2_bytes(),
+                               repeats=args.repeats or timing.repeats)
+  settings = st.Settings(
+      commands=tuple(commands), quick=args.quick, out=args.out, backends=sage,
+      baselines=baselines, speed_presets=speed_presets,
+      accuracy_presets=accuracy_presets, granularities=granularities,
+      data_kinds=data_kinds, dtype=jnp.dtype(args.dtype).type, causal=causal,
+      speed_shapes=speed_shapes, accuracy_shapes=accuracy_shapes,
+      memory_shape=memory_shape, timing=timing, kernel_only=args.kernel_only,
+      plots=args.plots, progress=args.progress,
+      write_results=args.write_results, section=args.section,
+      seed=args.seed, memory_limit=limit)
+  return settings, notes
+
+
+def run(settings: st.Settings, notes: list[str], argv: Sequence[str]
+        ) -> dict[str, Any]:
+  """Runs the benchmark and writes the reports; returns the report."""
+  meta = env.run_info(list(argv))
+  print(f"sagejax-bench on {meta['device']}, JAX {meta['jax_version']}: "
+        f"{', '.join(settings.commands)}"
+        f"{' (quick)' if settings.quick else ''} → {settings.out}/",
+        file=sys.stderr)
+  sage, sage_notes = methods.sage_methods(
+      settings.backends, settings.speed_presets, settings.dtype,
+      settings.kernel_only)
+  base, base_notes = methods.baseline_methods(settings.baselines)
+  notes += sage_notes + base_notes
+  if methods.INTERPRET in settings.backends:
+    notes.append(f"{methods.INTERPRET} runs the Pallas kernels under the "
+                 "interpreter (through XLA): a check that they run and agree, "
+                 "not a kernel speed.")
+  for note in notes:
+    print(f"note: {note}", file=sys.stderr)
+  tasks = []
+  if "speed" in settings.commands:
+    tasks += speed.tasks(settings, sage + base)
+  if "accuracy" in settings.commands:
+    available = [b for b in settings.backends
+                 if methods.sage_backend(b).available()]
+    tasks += accuracy.tasks(settings, available)
+  if "memory" in settings.commands:
+    tasks += memory.tasks(settings, sage + base)
+  results, seconds = progress.run_tasks(tasks, settings.progress)
+  meta["seconds"] = seconds
+  row_notes = report.row_notes(results)
+  for note in row_notes:
+    print(f"note: {note}", file=sys.stderr)
+  rep = {"meta": meta, "settings": settings.as_json(),
+         "notes": notes + row_notes, "results": results,
+         "accuracy_vs_anchors": accuracy.anchor_comparison(
+             results.get("accuracy", []))}
+
+  out = settings.out
+  out.mkdir(parents=True, exist_ok=True)
+  plots = report.write_plots(rep, out, rep["notes"]) if settings.plots else {}
+  rep["files"] = {"json": str(out / "results.json"),
+                  "markdown": str(out / "results.md"),
+                  "plots": [str(p) for p in plots.values()]}
+  md = report.markdown(rep, {k: p.name for k, p in plots.items()})
+  (out / "results.md").write_text(md)
+  report.write_json(rep, out / "results.json")
+  if settings.write_results is not None:
+    section = settings.section or "-".join(
+        [meta["platform"], "quick" if settings.quick else
+         "all" if len(settings.commands) > 1 else settings.commands[0]])
+    report.update_results(settings.write_results, section, rep, plots)
+  print(md)
+  print(f"Wrote {out / 'results.json'}, {out / 'results.md'}"
+        + "".join(f", {p}" for p in plots.values())
+        + (f" and section of {settings.write_results}"
+           if settings.write_results else ""), file=sys.stderr)
+  return rep
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Entry point of ``sagejax-bench`` and ``python -m sagejax.bench``."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  settings, notes = resolve(args, parser)
+  run(settings, notes, argv)
+  return 0

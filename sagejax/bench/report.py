@@ -1,0 +1,405 @@
+"""Reports: JSON, Markdown, PNG plots, and sections of ``RESULTS.md``."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+import shutil
+from typing import Any, Optional
+
+from sagejax.bench import env
+from sagejax.bench.accuracy import ANCHORS, ANCHOR_SHAPE, anchor_comparison
+
+SPEED_PNG, ACCURACY_PNG = "speed.png", "accuracy.png"
+
+
+# ----------------------------------------------------------------------------
+# Number formatting.
+# ----------------------------------------------------------------------------
+
+
+def _tops(x: Optional[float]) -> str:
+  if x is None:
+    return "–"
+  if x >= 100:
+    return f"{x:.0f}"
+  return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
+def _err(x: Optional[float], digits: int = 5) -> str:
+  if x is None or (isinstance(x, float) and math.isnan(x)):
+    return "–"
+  if x != 0 and abs(x) < 10 ** -(digits - 1):
+    return f"{x:.2e}"
+  return f"{x:.{digits}f}"
+
+
+def _cos(x: Optional[float]) -> str:
+  return "–" if x is None else f"{x:.6f}"
+
+
+def _yes(b: bool) -> str:
+  return "yes" if b else "no"
+
+
+def _seq(s: int) -> str:
+  return f"{s // 1024}k" if s % 1024 == 0 else str(s)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+  lines = ["| " + " | ".join(header) + " |",
+           "|" + "|".join("---" for _ in header) + "|"]
+  lines += ["| " + " | ".join(r) + " |" for r in rows]
+  return lines
+
+
+# ----------------------------------------------------------------------------
+# Markdown.
+# ----------------------------------------------------------------------------
+
+
+def _labels(rows: list[dict[str, Any]]) -> list[str]:
+  """Method labels in first-seen order (sagejax first, as run)."""
+  seen: dict[str, None] = {}
+  for r in rows:
+    seen.setdefault(r["label"], None)
+  return list(seen)
+
+
+def speed_markdown(rows: list[dict[str, Any]], h: str) -> list[str]:
+  if not rows:
+    return []
+  r0 = rows[0]
+  timing = next((r for r in rows if r["status"] == "ok"), None)
+  how = (f"median of {timing['repeats']} repeats of back-to-back calls on "
+         "rotating inputs" if timing else "no method ran")
+  lines = [f"{h} Speed (TOPS)", "",
+           f"B={r0['batch']}, N={r0['heads']}, K={r0['kv_heads']}, T=S. "
+           "TOPS = 4·B·N·T·S·H / time (halved when causal), "
+           f"{how}. End to end (quantization included) unless marked "
+           "\"(kernel)\" (pre-quantized inputs). – = skipped or failed "
+           "(see notes).", ""]
+  labels = _labels(rows)
+  cells: dict[tuple, dict[str, str]] = {}
+  for r in rows:
+    key = (r["head_dim"], r["seq"], r["causal"])
+    cells.setdefault(key, {})[r["label"]] = _tops(r.get("tops"))
+  body = [[str(hd), _seq(s), _yes(c)] + [cells[(hd, s, c)].get(l, "–")
+                                         for l in labels]
+          for (hd, s, c) in cells]
+  return lines + _table(["H", "S", "causal"] + labels, body) + [""]
+
+
+def accuracy_markdown(rows: list[dict[str, Any]], h: str) -> list[str]:
+  if not rows:
+    return []
+  lines = [f"{h} Accuracy vs exact attention (fp32)", ""]
+  shapes = sorted({(r["batch"], r["heads"], r["seq"], r["head_dim"])
+                   for r in rows})
+  for b, n, s, hd in shapes:
+    sub = [r for r in rows if (r["batch"], r["heads"], r["seq"],
+                               r["head_dim"]) == (b, n, s, hd)]
+    dtypes = sorted({r["dtype"] for r in sub if r.get("family") == "sagejax"
+                     and r.get("dtype")})
+    lines += [f"B={b}, N={n}, T=S={s}, H={hd}, {'/'.join(dtypes)} inputs; "
+              "\"normal\": N(0, 1); \"channel_bias\": k += 8·N(0,1), "
+              "v += 4·N(0,1) per (head, channel); \"qkv_channel_bias\": also "
+              "q += 2·N(0,1). Rows \"preset / granularity\" change only the "
+              "Q/K scale granularity.", ""]
+    body = [[r["label"], r["data"], _yes(r["causal"]), _cos(r.get("cos_sim")),
+             _err(r.get("rel_l1")), _err(r.get("rmse"))] for r in sub]
+    lines += _table(["method", "data", "causal", "cos sim", "relative L1",
+                     "RMSE"], body) + [""]
+  comparison = anchor_comparison(rows)
+  if comparison:
+    a = ANCHOR_SHAPE
+    lines += [f"{h}# Beside SageAttention (ANCHORS)", "",
+              "SageAttention's own numbers from `shared/ANCHORS.md` (one H200,"
+              f" B={a.batch}, N={a.heads}, T=S={a.seq}, H={a.head_dim}, fp16 "
+              "inputs drawn the same way, different random draws). Each cell: "
+              "ours / theirs.", ""]
+    if not all(c["same_shape"] for c in comparison):
+      lines += ["**Not like for like**: this run's shape differs from the "
+                "ANCHORS setting; run `sagejax-bench accuracy --seq 4096 "
+                "--head-dim 128 --batch 2 --heads 8` to compare.", ""]
+    body = [[c["ours"], c["anchor"], c["data"], _yes(c["causal"]),
+             f"{_cos(c['cos_sim'])} / {_cos(c['anchor_cos_sim'])}",
+             f"{_err(c['rel_l1'])} / {_err(c['anchor_rel_l1'])}",
+             f"{_err(c['rmse'])} / {_err(c['anchor_rmse'])}"]
+            for c in comparison]
+    lines += _table(["ours", "SageAttention", "data", "causal", "cos sim",
+                     "relative L1", "RMSE"], body) + [""]
+  return lines
+
+
+def memory_markdown(rows: list[dict[str, Any]], h: str) -> list[str]:
+  if not rows:
+    return []
+  r0 = rows[0]
+  lines = [f"{h} Memory at S={_seq(r0['seq'])}", "",
+           f"B={r0['batch']}, N={r0['heads']}, H={r0['head_dim']}, not "
+           "causal. Planned = XLA's compiled memory analysis (arguments + "
+           "outputs + temporaries − aliases); measured = rise of the "
+           "device's peak_bytes_in_use during one call (GPU only).", ""]
+  body = [[r["label"], env.fmt_bytes(r.get("argument_bytes")),
+           env.fmt_bytes(r.get("output_bytes")),
+           env.fmt_bytes(r.get("temp_bytes")),
+           env.fmt_bytes(r.get("total_bytes")),
+           env.fmt_bytes(r.get("measured_peak_bytes"))] for r in rows]
+  return lines + _table(["method", "arguments", "outputs", "temporaries",
+                         "planned total", "measured peak"], body) + [""]
+
+
+def row_notes(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+  """One note per (section, method, message) for rows that did not run."""
+  counts: dict[tuple, int] = {}
+  for section, rows in results.items():
+    for r in rows:
+      if r.get("note") and r.get("status") != "ok":
+        key = (section, r["label"], r["note"])
+        counts[key] = counts.get(key, 0) + 1
+  return [f"{sec}: {label}: {note}" + (f" ({n} cases)" if n > 1 else "")
+          for (sec, label, note), n in counts.items()]
+
+
+def markdown(report: dict[str, Any], plots: dict[str, str], level: int = 1
+             ) -> str:
+  """The whole report; ``plots`` maps a PNG kind to its link."""
+  h = "#" * (level + 1)
+  m = report["meta"]
+  run = report["settings"]
+  kind = m["platform"].upper() + (" quick" if run["quick"] else "")
+  lines = [f"{'#' * level} {kind} run ({', '.join(run['commands'])}) on "
+           f"{m['device']}", "",
+           f"- Device: {m['device']} ({m['platform']}, "
+           f"{m['device_count']} device(s))",
+           f"- JAX {m['jax_version']} (jaxlib {m['jaxlib_version']}), sagejax "
+           f"{m['sagejax_version']}, Python {m['python']}",
+           f"- Date: {m['date']}",
+           f"- Command: `{m['command']}`", ""]
+  res = report["results"]
+  lines += speed_markdown(res.get("speed", []), h)
+  if SPEED_PNG in plots:
+    lines += [f"![TOPS vs sequence length]({plots[SPEED_PNG]})", ""]
+  lines += accuracy_markdown(res.get("accuracy", []), h)
+  if ACCURACY_PNG in plots:
+    lines += [f"![Error per preset]({plots[ACCURACY_PNG]})", ""]
+  lines += memory_markdown(res.get("memory", []), h)
+  if report["notes"]:
+    lines += [f"{h} Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# Plots.
+# ----------------------------------------------------------------------------
+
+
+def _pyplot():
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  return plt
+
+
+def plot_speed(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
+  """TOPS vs S per method; one panel per (H, causal). False if no data."""
+  ok = [r for r in rows if r["status"] == "ok"]
+  if not ok:
+    return False
+  plt = _pyplot()
+  hds = sorted({r["head_dim"] for r in rows})
+  causals = sorted({r["causal"] for r in rows})
+  labels = _labels(rows)
+  colors = plt.get_cmap("tab10")
+  fig, axes = plt.subplots(len(hds), len(causals), squeeze=False,
+                           figsize=(5.2 * len(causals), 3.6 * len(hds) + 0.8),
+                           sharex=True)
+  r0 = rows[0]
+  for i, hd in enumerate(hds):
+    for j, causal in enumerate(causals):
+      ax = axes[i][j]
+      for k, label in enumerate(labels):
+        pts = sorted((r["seq"], r["tops"]) for r in ok if r["label"] == label
+                     and r["head_dim"] == hd and r["causal"] == causal)
+        if not pts:
+          continue
+        kernel = "(kernel)" in label
+        base = label.replace(" (kernel)", "")
+        color = colors(labels.index(base) % 10 if base in labels else k % 10)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label,
+                color=color, linestyle="--" if kernel else "-",
+                marker="o" if not kernel else "s", markersize=4)
+      ax.set_xscale("log", base=2)
+      seqs = sorted({r["seq"] for r in rows})
+      ax.set_xticks(seqs)
+      ax.set_xticklabels([_seq(s) for s in seqs])
+      ax.set_title(f"H={hd}, {'causal' if causal else 'not causal'}")
+      ax.set_xlabel("sequence length S (= T)")
+      ax.set_ylabel("TOPS")
+      ax.set_ylim(bottom=0)
+      ax.grid(alpha=0.3)
+  handles, names = axes[0][0].get_legend_handles_labels()
+  for ax in axes.flat:
+    for hdl, name in zip(*ax.get_legend_handles_labels()):
+      if name not in names:
+        handles.append(hdl)
+        names.append(name)
+  fig.legend(handles, names, loc="lower center", ncol=min(3, len(names)),
+             frameon=False, fontsize=9)
+  fig.suptitle(f"Attention throughput, B={r0['batch']} N={r0['heads']} "
+               "(dashed: kernel only)", fontsize=11)
+  rows_of_legend = math.ceil(len(names) / 3)
+  fig.tight_layout(rect=(0, 0.05 + 0.035 * rows_of_legend, 1, 1))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def _anchor_points(rows, labels, data, causal, metric
+                   ) -> list[tuple[int, float]]:
+  """(x, value) of SageAttention's own figure for rows that have one."""
+  index = {"rel_l1": 1, "rmse": 2}[metric]
+  points = []
+  for x, label in enumerate(labels):
+    row = next((r for r in rows if r["label"] == label), None)
+    if row is None or not row.get("default_granularity"):
+      continue
+    name = row.get("preset") or ("fp16" if row.get("dtype") == "fp16"
+                                 else None)
+    anchor = ANCHORS.get((name, data, causal))
+    if anchor is not None:
+      points.append((x, anchor[index]))
+  return points
+
+
+def plot_accuracy(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
+  """Relative L1 and RMSE per method and data kind, not causal, log scale."""
+  ok = [r for r in rows if r["status"] == "ok"]
+  if not ok:
+    return False
+  causal = min(r["causal"] for r in ok)
+  first = min((r["batch"], r["heads"], r["seq"], r["head_dim"]) for r in ok)
+  ok = [r for r in ok if r["causal"] == causal and (
+      r["batch"], r["heads"], r["seq"], r["head_dim"]) == first]
+  plt = _pyplot()
+  labels = _labels(ok)
+  datas = list(dict.fromkeys(r["data"] for r in ok))
+  colors = plt.get_cmap("tab10")
+  width = 0.8 / len(datas)
+  fig, axes = plt.subplots(2, 1, figsize=(max(7.0, 0.55 * len(labels) + 2),
+                                          7.5), sharex=True)
+  for ax, metric, name in zip(axes, ("rel_l1", "rmse"),
+                              ("relative L1", "RMSE")):
+    anchor_labelled = False
+    for d, data in enumerate(datas):
+      xs, ys = [], []
+      for x, label in enumerate(labels):
+        v = [r[metric] for r in ok if r["label"] == label and r["data"] == data]
+        if v and v[0] > 0 and math.isfinite(v[0]):
+          xs.append(x + (d - (len(datas) - 1) / 2) * width)
+          ys.append(v[0])
+      ax.bar(xs, ys, width=width, label=data, color=colors(d))
+      ax_anchor = _anchor_points(ok, labels, data, causal, metric)
+      if ax_anchor:
+        ax.plot([x + (d - (len(datas) - 1) / 2) * width
+                 for x, _ in ax_anchor], [y for _, y in ax_anchor],
+                linestyle="none", marker="_", markersize=14,
+                markeredgewidth=2.5, color="black",
+                label="SageAttention (ANCHORS)" if not anchor_labelled
+                else None)
+        anchor_labelled = True
+    ax.set_yscale("log")
+    ax.set_ylabel(f"{name} vs exact")
+    ax.grid(axis="y", alpha=0.3)
+  axes[0].legend(title="data", fontsize=8, title_fontsize=8)
+  axes[1].set_xticks(range(len(labels)))
+  axes[1].set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
+  b, n, s, hd = first
+  fig.suptitle(f"Error per preset, B={b} N={n} T=S={s} H={hd}, "
+               f"{'causal' if causal else 'not causal'} (lower is better; "
+               "black: SageAttention's own, ANCHORS)", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def write_plots(report: dict[str, Any], out: pathlib.Path,
+                notes: list[str]) -> dict[str, pathlib.Path]:
+  """PNG plots into ``out``; a note (not a crash) if matplotlib is missing."""
+  try:
+    _pyplot()
+  except ImportError:
+    notes.append("matplotlib is not installed (pip install matplotlib); no "
+                 "plots.")
+    return {}
+  made = {}
+  res = report["results"]
+  for name, fn, rows in ((SPEED_PNG, plot_speed, res.get("speed", [])),
+                         (ACCURACY_PNG, plot_accuracy,
+                          res.get("accuracy", []))):
+    if rows and fn(rows, out / name):
+      made[name] = out / name
+  return made
+
+
+# ----------------------------------------------------------------------------
+# Files.
+# ----------------------------------------------------------------------------
+
+
+def write_json(report: dict[str, Any], path: pathlib.Path) -> None:
+  def clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+      return None
+    if isinstance(x, dict):
+      return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [clean(v) for v in x]
+    return x
+  path.write_text(json.dumps(clean(report), indent=1) + "\n")
+
+
+_RESULTS_HEAD = """# Benchmark results
+
+Written by `sagejax-bench --write-results benchmarks/RESULTS.md`. Each section
+is the report of one run, with its device, JAX version, date and command at
+the top, and is replaced when that kind of run (platform and command) is
+repeated. Compare numbers only within one section. CPU sections check that
+everything runs and measure accuracy; their timings say nothing about GPU
+speed. A GPU section comes from running the same command on the GPU machine.
+"""
+_SECTION = "<!-- sagejax-bench section "
+
+
+def update_results(path: pathlib.Path, section: str, report: dict[str, Any],
+                   plots: dict[str, pathlib.Path]) -> None:
+  """Writes this run as section ``section`` of a RESULTS.md file.
+
+  Plots are copied to ``plots/<section>-<name>.png`` beside the file. Other
+  sections are kept; this one is replaced (or appended).
+  """
+  path.parent.mkdir(parents=True, exist_ok=True)
+  plot_dir = path.parent / "plots"
+  links = {}
+  for name, src in plots.items():
+    plot_dir.mkdir(exist_ok=True)
+    dest = plot_dir / f"{section}-{name}"
+    shutil.copyfile(src, dest)
+    links[name] = f"plots/{dest.name}"
+  begin = f"{_SECTION}{section} -->"
+  end = f"<!-- end of section {section} -->"
+  body = f"{begin}\n{markdown(report, links, level=2)}\n{end}\n"
+  text = path.read_text() if path.exists() else ""
+  first = text.find(_SECTION)
+  text = _RESULTS_HEAD + ("\n" + text[first:] if first >= 0 else "")
+  pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?",
+                       re.S)
+  if pattern.search(text):
+    text = pattern.sub(lambda _: body, text)
+  else:
+    text = text.rstrip("\n") + "\n\n" + body
+  path.write_text(text)
