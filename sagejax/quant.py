@@ -113,15 +113,27 @@ def token_groups(n_tokens: int, role: Role, config: SageConfig) -> np.ndarray:
   return ids.reshape(n_tokens)
 
 
+def group_max(row_values: jax.Array, role: Role, config: SageConfig
+              ) -> jax.Array:
+  """Max of ``row_values [..., T]`` over each token's quantization group.
+
+  Pure reshapes and reductions, so kernels call it on their own block of
+  rows (groups never straddle a block).
+  """
+  *lead, n = row_values.shape
+  shape, reduce = _group_view(role, config, n)
+  if not reduce:
+    return row_values
+  v = row_values.reshape(*lead, *shape)
+  axes = tuple(len(lead) + a for a in reduce)
+  g = jnp.max(v, axis=axes, keepdims=True)
+  return jnp.broadcast_to(g, v.shape).reshape(*lead, n)
+
+
 def group_amax(x: jax.Array, role: Role, config: SageConfig) -> jax.Array:
   """max |x| over each quantization group, broadcast to ``[..., T]``."""
-  *lead, n, h = x.shape
-  shape, reduce = _group_view(role, config, n)
-  xv = jnp.abs(x.astype(jnp.float32)).reshape(*lead, *shape, h)
-  nl = len(lead)
-  axes = tuple(nl + a for a in reduce) + (xv.ndim - 1,)
-  amax = jnp.max(xv, axis=axes, keepdims=True)
-  return jnp.broadcast_to(amax, xv.shape[:-1] + (1,)).reshape(*lead, n)
+  return group_max(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1), role,
+                   config)
 
 
 # ----------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def test_quantize_kernels_match_quant(name, layout):
   kv_lengths = jnp.array([45, 20], jnp.int32)
   call = _inputs.parse(q, k, v, layout=layout,
                        key_value_seq_lengths=kv_lengths)
-  got = pallas_triton.INTERPRET_BACKEND.prepare(call, config).qkv
+  got = pallas_triton.INTERPRET_BACKEND.prepare(call, config, TILING).qkv
   qc, kc, vc = call.canonical()
   want = quant.quantize(qc, kc, vc, config, call.sm_scale, None, kv_lengths)
   for field in ("q", "k"):

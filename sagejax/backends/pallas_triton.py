@@ -28,7 +28,7 @@ from sagejax.kernels.triton_attention import KernelTiling
 def default_tiling(head_dim: int, config: SageConfig) -> KernelTiling:
   """Kernel tiles by head dim (measured on H100/H200; benchmarks/NOTES.md)."""
   if head_dim <= 64:
-    return KernelTiling(block_q=128, block_k=64, num_warps=4, num_stages=3)
+    return KernelTiling(block_q=128, block_k=64, num_warps=4, num_stages=4)
   if head_dim <= 128:
     return KernelTiling(block_q=128, block_k=128, num_warps=8, num_stages=3)
   return KernelTiling(block_q=64, block_k=32, num_warps=4, num_stages=2)

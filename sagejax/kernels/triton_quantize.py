@@ -3,10 +3,10 @@
 Each kernel reads one block of tokens of one head once, straight from the
 caller's layout (``[B, T, N, H]`` or ``[B, N, T, H]``), and writes the
 quantized block in the layout the attention kernel reads. The math is
-:mod:`sagejax.quant`'s; the group layout comes from
-:func:`sagejax.quant.token_groups` (passed in as a tiny table), so it is never
-re-derived here. Reductions over *all* tokens (K's and V's means, V's
-per-channel max) are computed by XLA beforehand and passed in.
+:mod:`sagejax.quant`'s, and so is the group layout: the kernels call
+:func:`sagejax.quant.group_max` on their block of rows, never re-deriving
+it. Reductions over *all* tokens (K's and V's means, V's per-channel max) are
+computed by XLA beforehand and passed in.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -34,20 +33,10 @@ def _token_spec(layout: str, block: int, h: int, head_of=lambda n: n):
                       lambda i, b, n: (b, head_of(n), i, 0))
 
 
-def _group_max(row_amax, gid_ref, granularity: str):
-  """Max of ``row_amax [rows]`` over each row's quantization group."""
-  if granularity == "per_token":
-    return row_amax
-  if granularity == "per_block":
-    return jnp.broadcast_to(jnp.max(row_amax), row_amax.shape)
-  gid = gid_ref[...]
-  same = gid[:, None] == gid[None, :]
-  return jnp.max(jnp.where(same, row_amax[None, :], 0.0), axis=1)
-
-
-def _quantize_qk_kernel(x_ref, len_ref, mean_ref, gid_ref, val_ref, scale_ref,
-                        bmean_ref, *, block: int, chunks: int, qmax: int,
-                        scale_mult: float, granularity: str, interpret: bool):
+def _quantize_qk_kernel(x_ref, len_ref, mean_ref, val_ref, scale_ref,
+                        bmean_ref, *, block: int, chunks: int,
+                        config: SageConfig, role: str, scale_mult: float,
+                        interpret: bool):
   i = pl.program_id(0)
   length = len_ref[...]
   valid = ((i * block + jnp.arange(block)) < length)[:, None]
@@ -66,7 +55,8 @@ def _quantize_qk_kernel(x_ref, len_ref, mean_ref, gid_ref, val_ref, scale_ref,
   row_amax = jnp.max(jnp.abs(xs[0]), axis=1)
   for x in xs[1:]:
     row_amax = jnp.maximum(row_amax, jnp.max(jnp.abs(x), axis=1))
-  amax = _group_max(row_amax, gid_ref, granularity)
+  amax = quant.group_max(row_amax, role, config)
+  qmax = config.qmax
   scale = jnp.where(amax > 0, amax / qmax, 1.0)
   ys = [jnp.clip(round_half_even(x / scale[:, None], interpret), -qmax, qmax
                  ).astype(jnp.int8) for x in xs]
@@ -103,11 +93,9 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
   nb = t // block
   chunks = 2 if config.qk_dtype == "int4" else 1
   block_means = role == "q" and config.smooth_q
-  gid = jnp.asarray(quant.token_groups(block, role, config), jnp.int32)
   kernel = functools.partial(
-      _quantize_qk_kernel, block=block, chunks=chunks, qmax=config.qmax,
-      scale_mult=float(scale_mult), granularity=config.qk_granularity,
-      interpret=interpret)
+      _quantize_qk_kernel, block=block, chunks=chunks, config=config,
+      role=role, scale_mult=float(scale_mult), interpret=interpret)
   out_shape = [jax.ShapeDtypeStruct((b, n, t, h // chunks), jnp.int8),
                jax.ShapeDtypeStruct((b, n, t), jnp.float32)]
   out_specs = [pl.BlockSpec((None, None, block, h // chunks),
@@ -125,14 +113,13 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
       pl.BlockSpec((None,), lambda i, bb, nn: (bb,)),
       None if mean is None else pl.BlockSpec((None, None, h),
                                              lambda i, bb, nn: (bb, nn, 0)),
-      pl.BlockSpec((block,), lambda i, bb, nn: (0,)),
   ]
   values, scales, means = pl.pallas_call(
       kernel, grid=(nb, b, n), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       name=f"sage_quantize_{role}",
-  )(x, lengths, mean, gid)
+  )(x, lengths, mean)
   return values, scales, means
 
 
