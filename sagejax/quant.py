@@ -419,6 +419,22 @@ def quantize(q: jax.Array, k: jax.Array, v: jax.Array, config: SageConfig,
                       v_scale=v_scale, v_mean=v_mean, delta_s=delta_s)
 
 
+def lse_shift(q: jax.Array, k_mean: jax.Array, sm_scale: float) -> jax.Array:
+  """What K smoothing removes from every score of a row: ``sm_scale·q·k̄``.
+
+  Smoothing shifts row t's logits by −sm_scale·q_t·k̄, which leaves the softmax
+  (and so the output) unchanged but not the log-sum-exp: add this (natural-log
+  units) to an LSE computed from smoothed K. ``q`` is ``[B, N, T, H]``,
+  ``k_mean`` ``[B, K, H]``; returns f32 ``[B, N, T]``.
+  """
+  b, n, t, h = q.shape
+  kh = k_mean.shape[1]
+  qg = q.astype(jnp.float32).reshape(b, kh, n // kh, t, h)
+  shift = jnp.einsum("bkgth,bkh->bkgt", qg, k_mean[..., :h],
+                     precision=jax.lax.Precision.HIGHEST)
+  return shift.reshape(b, n, t) * sm_scale
+
+
 def dequantize_qk(values: jax.Array, scale: jax.Array, config: SageConfig
                   ) -> jax.Array:
   """Back to f32 ``[..., T, H]`` (INT4 unpacked); Q keeps sm_scale·log2(e)."""

@@ -179,13 +179,8 @@ def test_masks_and_bias(case, preset, qkv, next_key):
   np.testing.assert_array_equal(jnp.where(ref == 0, out, 0), 0)
 
 
-_LSE_BUG = ("sagejax bug: return_lse gives the LSE of the K-smoothed scores, "
-            "off by sm_scale·q·mean(K) (backends/xla.py attend_quantized)")
-
-
 @pytest.mark.parametrize("config", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=_LSE_BUG))
-    for p in AXES["preset"]] + [PRESETS["sage2-8b"].replace(smooth_k=False)],
+    p for p in AXES["preset"]] + [PRESETS["sage2-8b"].replace(smooth_k=False)],
     ids=AXES["preset"] + ["sage2-8b-unsmoothed"])
 def test_return_lse(config, qkv):
   """LSE [B, N, T] (natural log) close to the exact one; −inf on empty rows.

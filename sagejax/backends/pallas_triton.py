@@ -45,10 +45,15 @@ def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-  """Quantized inputs plus what the attention kernel needs to run on them."""
+  """Quantized inputs plus what the attention kernel needs to run on them.
+
+  ``lse_shift`` (f32 ``[B, N, T]`` or None) is what K smoothing took out of
+  each row's LSE (:func:`sagejax.quant.lse_shift`).
+  """
   qkv: quant.QuantizedQKV
   q_lengths: jax.Array
   kv_lengths: jax.Array
+  lse_shift: Optional[jax.Array] = None
 
 
 class _PallasTritonBackend:
@@ -151,7 +156,12 @@ class _PallasTritonBackend:
     qkv = quant.QuantizedQKV(q=q_vals, q_scale=q_scale, k=k_vals,
                              k_scale=k_scale, v=v_vals, v_scale=v_scale,
                              v_mean=v_mean, delta_s=delta_s)
-    return Prepared(qkv=qkv, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    lse_shift = None
+    if k_mean is not None:
+      q_canon = to_canonical(call.q, layout)
+      lse_shift = quant.lse_shift(q_canon, k_mean, call.sm_scale)
+    return Prepared(qkv=qkv, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                    lse_shift=lse_shift)
 
   def kernel(self, prepared: Prepared, call: ParsedCall, config: SageConfig,
              tiling: Optional[KernelTiling] = None):
@@ -172,7 +182,10 @@ class _PallasTritonBackend:
       out = out[:, :t, :, :h]
     else:
       out = out[:, :, :t, :h]
-    return out, lse[:, :, :t]
+    lse = lse[:, :, :t]
+    if prepared.lse_shift is not None:
+      lse = lse + prepared.lse_shift
+    return out, lse
 
   def forward(self, call: ParsedCall, config: SageConfig
               ) -> tuple[jax.Array, jax.Array]:

@@ -137,6 +137,10 @@ class _XlaBackend:
                                 q_lengths=call.q_lengths,
                                 kv_lengths=call.kv_lengths, mask=call.mask,
                                 bias=call.bias)
+    if config.smooth_k:
+      kv_lengths = quant._lengths_or_full(call.kv_lengths, k)
+      lse = lse + quant.lse_shift(q, quant.token_mean(k, kv_lengths),
+                                  call.sm_scale)
     return from_canonical(out, call.layout), lse
 
 
