@@ -13,6 +13,7 @@ one block_until_ready; the median over repeats.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -121,13 +122,23 @@ def main():
             _inputs.parse(q, k, v, is_causal=causal), config))
         prepared = [(prep(*a),) for a in sets]
         tilings = [None]
-        if args.tilings and h == 128 and s in (4096, 16384):
-          tilings += [KernelTiling(128, 128, 8, 4), KernelTiling(128, 128, 4, 3),
-                      KernelTiling(128, 256, 8, 2), KernelTiling(256, 128, 8, 3),
-                      KernelTiling(64, 128, 4, 4)]
-        if args.tilings and h == 64 and s in (4096, 16384):
-          tilings += [KernelTiling(128, 128, 4, 3), KernelTiling(128, 128, 8, 3),
-                      KernelTiling(64, 64, 4, 3), KernelTiling(128, 64, 4, 4)]
+        if args.tilings:
+          base = pallas_triton.default_tiling(h, config)
+          rep = dataclasses.replace
+          tilings += [rep(base, fold_p_scale=True), rep(base, heavy_first=True),
+                      rep(base, heads_outer=True),
+                      rep(base, heads_outer=True, heavy_first=True),
+                      rep(base, heads_outer=True, heavy_first=True,
+                          fold_p_scale=True)]
+        if args.tilings:  # same kernel with FP16 P·V (sage1 arithmetic)
+          sage1 = PRESETS["sage1"]
+          prep1 = jax.jit(lambda q, k, v: backend.prepare(
+              _inputs.parse(q, k, v, is_causal=causal), sage1))
+          prepared1 = [(prep1(*a),) for a in sets]
+          kern1 = jax.jit(lambda p: backend.kernel(p, call0, sage1))
+          row["kernel sage1 (fp16 PV)"] = tops(b, n, s, h, causal,
+                                               timeit(kern1, prepared1))
+          del prepared1
         t_cudnn = timeit(cudnn, sets)
         t_e2e = timeit(e2e, sets)
         t_prep = timeit(prep, sets)

@@ -31,6 +31,8 @@ from jax.experimental.pallas import triton as plgpu
 from sagejax import quant
 from sagejax.masks import MaskSpec
 
+_LOG2_P_SCALE = math.log2(quant.P_SCALE)
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelTiling:
@@ -43,12 +45,20 @@ class KernelTiling:
       is not required (scales are per token).
     num_warps: warps per program.
     num_stages: software-pipelining depth of the KV loop.
+    heads_outer: launch order: all query blocks of one (batch, head) next to
+      each other (True) or one query block of every head (False).
+    heavy_first: visit query blocks last-to-first, so that under a causal mask
+      the blocks with the most keys start first (load balance).
+    fold_p_scale: compute 448·P̃ as exp2(· + log2 448) instead of a multiply.
   """
 
   block_q: int = 128
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 3
+  heads_outer: bool = False
+  heavy_first: bool = False
+  fold_p_scale: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_k", "num_warps"):
@@ -67,8 +77,8 @@ class KernelTiling:
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
                 ql_ref, kl_ref, o_ref, lse_ref, *, block_q: int, block_k: int,
                 int4: bool, fp8: bool, v_transposed: bool, spec: MaskSpec,
-                num_kv_blocks: int):
-  i = pl.program_id(0)
+                num_kv_blocks: int, q_block_of, fold_p_scale: bool):
+  i = q_block_of(pl.program_id(0), pl.program_id(1), pl.program_id(2))
   q_len = ql_ref[...]
   kv_len = kl_ref[...]
   q_first = i * block_q
@@ -133,12 +143,19 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
       t = jnp.where(ok, t, -jnp.inf)
     m_new = jnp.maximum(m, q_scale * jnp.max(t, axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp2(t * q_scale[:, None] - m_use[:, None])
     alpha = jnp.exp2(m - m_use)
-    l = l * alpha + jnp.sum(p, axis=1)
-    if fp8:
+    if fp8 and fold_p_scale:
+      # p448 = 448·exp2(s − m) in one exp2; l then counts in units of 1/448.
+      p = jnp.exp2(t * q_scale[:, None] - (m_use - _LOG2_P_SCALE)[:, None])
+      l = l * alpha + jnp.sum(p, axis=1) * (1.0 / quant.P_SCALE)
+      p_op = p.astype(quant.FP8_DTYPE)
+    elif fp8:
+      p = jnp.exp2(t * q_scale[:, None] - m_use[:, None])
+      l = l * alpha + jnp.sum(p, axis=1)
       p_op = (p * quant.P_SCALE).astype(quant.FP8_DTYPE)
     else:
+      p = jnp.exp2(t * q_scale[:, None] - m_use[:, None])
+      l = l * alpha + jnp.sum(p, axis=1)
       p_op = p.astype(v_ref.dtype)
     if v_transposed:
       v = v_ref[:, pl.ds(start, block_k)]
@@ -208,24 +225,43 @@ def attention_forward(
     raise ValueError(f"kernel block_q={bq} must divide the config's block_q="
                      f"{config_block_q} when Q is smoothed.")
   fp8 = qkv.v.dtype == quant.FP8_DTYPE
+  nq = t_pad // bq
+  # Program ids → (query block, batch, head), in the tiling's launch order.
+  if tiling.heads_outer:
+    grid = (b, n, nq)
+    ids = lambda x, y, z: (z, x, y)
+  else:
+    grid = (nq, b, n)
+    ids = lambda x, y, z: (x, y, z)
+  if tiling.heavy_first:
+    order = lambda x, y, z: ((nq - 1 - ids(x, y, z)[0]),) + ids(x, y, z)[1:]
+  else:
+    order = ids
+
+  def spec_of(block, index):
+    """BlockSpec whose index map takes (query block, batch, head)."""
+    return pl.BlockSpec(block, lambda x, y, z: index(*order(x, y, z)))
+
   kernel = functools.partial(
       _fwd_kernel, block_q=bq, block_k=bk, int4=int4, fp8=fp8,
-      v_transposed=v_transposed, spec=spec, num_kv_blocks=s_pad // bk)
+      v_transposed=v_transposed, spec=spec, num_kv_blocks=s_pad // bk,
+      q_block_of=lambda x, y, z: order(x, y, z)[0],
+      fold_p_scale=tiling.fold_p_scale)
   kv_head = lambda i, bb, nn: (bb, nn // g, 0, 0)
-  head_vec = pl.BlockSpec((None, None, h), lambda i, bb, nn: (bb, nn // g, 0))
-  per_batch = pl.BlockSpec((None,), lambda i, bb, nn: (bb,))
+  head_vec = spec_of((None, None, h), lambda i, bb, nn: (bb, nn // g, 0))
+  per_batch = spec_of((None,), lambda i, bb, nn: (bb,))
   ds_spec = None
   if qkv.delta_s is not None:
     ratio = config_block_q // bq
-    ds_spec = pl.BlockSpec((None, None, None, s_pad),
-                           lambda i, bb, nn: (bb, nn, i // ratio, 0))
+    ds_spec = spec_of((None, None, None, s_pad),
+                      lambda i, bb, nn: (bb, nn, i // ratio, 0))
   v_block = (None, None, h, s_pad) if v_transposed else (None, None, s_pad, h)
   in_specs = [
-      pl.BlockSpec((None, None, bq, hq), lambda i, bb, nn: (bb, nn, i, 0)),
-      pl.BlockSpec((None, None, bq), lambda i, bb, nn: (bb, nn, i)),
-      pl.BlockSpec((None, None, s_pad, hq), kv_head),
-      pl.BlockSpec((None, None, s_pad), lambda i, bb, nn: (bb, nn // g, 0)),
-      pl.BlockSpec(v_block, kv_head),
+      spec_of((None, None, bq, hq), lambda i, bb, nn: (bb, nn, i, 0)),
+      spec_of((None, None, bq), lambda i, bb, nn: (bb, nn, i)),
+      spec_of((None, None, s_pad, hq), kv_head),
+      spec_of((None, None, s_pad), lambda i, bb, nn: (bb, nn // g, 0)),
+      spec_of(v_block, kv_head),
       head_vec,
       None if qkv.v_mean is None else head_vec,
       ds_spec,
@@ -234,16 +270,14 @@ def attention_forward(
   ]
   if out_layout == "BTNH":
     out_shape = (b, t_pad, n, h)
-    out_spec = pl.BlockSpec((None, bq, None, h),
-                            lambda i, bb, nn: (bb, i, nn, 0))
+    out_spec = spec_of((None, bq, None, h), lambda i, bb, nn: (bb, i, nn, 0))
   else:
     out_shape = (b, n, t_pad, h)
-    out_spec = pl.BlockSpec((None, None, bq, h),
-                            lambda i, bb, nn: (bb, nn, i, 0))
+    out_spec = spec_of((None, None, bq, h), lambda i, bb, nn: (bb, nn, i, 0))
   return pl.pallas_call(
-      kernel, grid=(t_pad // bq, b, n), in_specs=in_specs,
+      kernel, grid=grid, in_specs=in_specs,
       out_specs=[out_spec,
-                 pl.BlockSpec((None, None, bq), lambda i, bb, nn: (bb, nn, i))],
+                 spec_of((None, None, bq), lambda i, bb, nn: (bb, nn, i))],
       out_shape=[jax.ShapeDtypeStruct(out_shape, out_dtype),
                  jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
