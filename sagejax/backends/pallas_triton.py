@@ -167,7 +167,13 @@ class _PallasTritonBackend:
              tiling: Optional[KernelTiling] = None):
     """The attention kernel alone on prepared inputs: (output, lse)."""
     b, n, t, h, kh, s = call.dims
-    tiling = tiling or default_tiling(max(32, next_pow2(h)), config)
+    if tiling is None:
+      tiling = default_tiling(max(32, next_pow2(h)), config)
+      if call.spec.is_causal and -(-t // tiling.block_q) <= 32:
+        # Short causal: launch each head's blocks together, longest first
+        # (1k: +8% at H=128, +23% at H=64; neutral to -3% at 16k).
+        tiling = dataclasses.replace(tiling, heads_outer=True,
+                                     heavy_first=True)
     if prepared.qkv.delta_s is not None:
       tiling = dataclasses.replace(
           tiling, block_q=min(tiling.block_q, config.block_q))
@@ -189,9 +195,7 @@ class _PallasTritonBackend:
 
   def forward(self, call: ParsedCall, config: SageConfig
               ) -> tuple[jax.Array, jax.Array]:
-    tiling = default_tiling(max(32, next_pow2(call.dims[3])), config)
-    return self.kernel(self.prepare(call, config, tiling), call, config,
-                       tiling)
+    return self.kernel(self.prepare(call, config), call, config)
 
 
 BACKEND = _PallasTritonBackend()

@@ -49,7 +49,6 @@ class KernelTiling:
       each other (True) or one query block of every head (False).
     heavy_first: visit query blocks last-to-first, so that under a causal mask
       the blocks with the most keys start first (load balance).
-    fold_p_scale: compute 448·P̃ as exp2(· + log2 448) instead of a multiply.
   """
 
   block_q: int = 128
@@ -58,7 +57,6 @@ class KernelTiling:
   num_stages: int = 3
   heads_outer: bool = False
   heavy_first: bool = False
-  fold_p_scale: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_k", "num_warps"):
@@ -77,7 +75,7 @@ class KernelTiling:
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
                 ql_ref, kl_ref, o_ref, lse_ref, *, block_q: int, block_k: int,
                 int4: bool, fp8: bool, v_transposed: bool, spec: MaskSpec,
-                num_kv_blocks: int, q_block_of, fold_p_scale: bool):
+                num_kv_blocks: int, q_block_of):
   i = q_block_of(pl.program_id(0), pl.program_id(1), pl.program_id(2))
   q_len = ql_ref[...]
   kv_len = kl_ref[...]
@@ -144,15 +142,11 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
     m_new = jnp.maximum(m, q_scale * jnp.max(t, axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_use)
-    if fp8 and fold_p_scale:
-      # p448 = 448·exp2(s − m) in one exp2; l then counts in units of 1/448.
+    if fp8:
+      # 448·P̃ = exp2(s − m + log2 448): the static scale rides on the exp2.
       p = jnp.exp2(t * q_scale[:, None] - (m_use - _LOG2_P_SCALE)[:, None])
       l = l * alpha + jnp.sum(p, axis=1) * (1.0 / quant.P_SCALE)
       p_op = p.astype(quant.FP8_DTYPE)
-    elif fp8:
-      p = jnp.exp2(t * q_scale[:, None] - m_use[:, None])
-      l = l * alpha + jnp.sum(p, axis=1)
-      p_op = (p * quant.P_SCALE).astype(quant.FP8_DTYPE)
     else:
       p = jnp.exp2(t * q_scale[:, None] - m_use[:, None])
       l = l * alpha + jnp.sum(p, axis=1)
@@ -245,8 +239,7 @@ def attention_forward(
   kernel = functools.partial(
       _fwd_kernel, block_q=bq, block_k=bk, int4=int4, fp8=fp8,
       v_transposed=v_transposed, spec=spec, num_kv_blocks=s_pad // bk,
-      q_block_of=lambda x, y, z: order(x, y, z)[0],
-      fold_p_scale=tiling.fold_p_scale)
+      q_block_of=lambda x, y, z: order(x, y, z)[0])
   kv_head = lambda i, bb, nn: (bb, nn // g, 0, 0)
   head_vec = spec_of((None, None, h), lambda i, bb, nn: (bb, nn // g, 0))
   per_batch = spec_of((None,), lambda i, bb, nn: (bb,))
