@@ -90,7 +90,9 @@ def main():
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--seqs", default="1024,2048,4096,8192,16384")
   ap.add_argument("--tilings", action="store_true",
-                  help="also sweep kernel tilings at H=128")
+                  help="also time kernel tiling variants")
+  ap.add_argument("--ablations", action="store_true",
+                  help="also time FP16 P·V and untransposed FP8 V kernels")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   dev = jax.devices()[0]
@@ -125,8 +127,11 @@ def main():
         if args.tilings:
           base = pallas_triton.default_tiling(h, config)
           rep = dataclasses.replace
-          tilings += [rep(base, heads_outer=True, heavy_first=True)]
-        if args.tilings:  # same kernel with FP16 P·V (sage1 arithmetic)
+          tilings += [rep(base, heads_outer=True, heavy_first=True),
+                      rep(base, transposed_pv=True),
+                      rep(base, transposed_pv=True, num_warps=4),
+                      rep(base, transposed_pv=True, block_k=64)]
+        if args.ablations:  # same kernel with FP16 P·V (sage1 arithmetic)
           sage1 = PRESETS["sage1"]
           prep1 = jax.jit(lambda q, k, v: backend.prepare(
               _inputs.parse(q, k, v, is_causal=causal), sage1))
@@ -159,7 +164,7 @@ def main():
                    cudnn=tops(b, n, s, h, causal, t_cudnn),
                    pallas_e2e=tops(b, n, s, h, causal, t_e2e),
                    quant_ms=t_prep * 1e3)
-        if args.tilings:
+        if args.ablations:
           row["kernel sage1 (fp16 PV)"] = tops(b, n, s, h, causal, t_sage1)
           row["kernel fp8 V untransposed"] = tops(b, n, s, h, causal, t_nt)
         for tiling in tilings:
