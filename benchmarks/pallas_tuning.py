@@ -128,9 +128,8 @@ def main():
           base = pallas_triton.default_tiling(h, config)
           rep = dataclasses.replace
           tilings += [rep(base, heads_outer=True, heavy_first=True),
-                      rep(base, transposed_pv=True),
-                      rep(base, transposed_pv=True, num_warps=4),
-                      rep(base, transposed_pv=True, block_k=64)]
+                      rep(base, heads_outer=True),
+                      rep(base, heavy_first=True)]
         if args.ablations:  # same kernel with FP16 P·V (sage1 arithmetic)
           sage1 = PRESETS["sage1"]
           prep1 = jax.jit(lambda q, k, v: backend.prepare(

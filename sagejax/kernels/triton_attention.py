@@ -49,8 +49,6 @@ class KernelTiling:
       each other (True) or one query block of every head (False).
     heavy_first: visit query blocks last-to-first, so that under a causal mask
       the blocks with the most keys start first (load balance).
-    transposed_pv: accumulate Oᵀ = Vᵀ·P̃ᵀ instead of O = P̃·V (needs V as
-      ``[H, S]``): V becomes the MMA's first operand, P̃ the second.
   """
 
   block_q: int = 128
@@ -59,7 +57,6 @@ class KernelTiling:
   num_stages: int = 3
   heads_outer: bool = False
   heavy_first: bool = False
-  transposed_pv: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_k", "num_warps"):
@@ -78,7 +75,7 @@ class KernelTiling:
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
                 ql_ref, kl_ref, o_ref, lse_ref, *, block_q: int, block_k: int,
                 int4: bool, fp8: bool, v_transposed: bool, spec: MaskSpec,
-                num_kv_blocks: int, q_block_of, transposed_pv: bool):
+                num_kv_blocks: int, q_block_of):
   i = q_block_of(pl.program_id(0), pl.program_id(1), pl.program_id(2))
   q_len = ql_ref[...]
   kv_len = kl_ref[...]
@@ -154,10 +151,6 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
       p = jnp.exp2(t * q_scale[:, None] - m_use[:, None])
       l = l * alpha + jnp.sum(p, axis=1)
       p_op = p.astype(v_ref.dtype)
-    if transposed_pv:  # acc is Oᵀ [H, block_q]
-      v = v_ref[:, pl.ds(start, block_k)]
-      acc = acc * alpha[None, :] + plgpu.dot(v, p_op, trans_b=True)
-      return acc, m_new, l
     if v_transposed:
       v = v_ref[:, pl.ds(start, block_k)]
       pv = plgpu.dot(p_op, v, trans_b=True)
@@ -168,8 +161,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
     return acc, m_new, l
 
   h = o_ref.shape[-1]
-  acc_shape = (h, block_q) if transposed_pv else (block_q, h)
-  carry = (jnp.zeros(acc_shape, jnp.float32),
+  carry = (jnp.zeros((block_q, h), jnp.float32),
            jnp.full((block_q,), -jnp.inf, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
   masked_body = functools.partial(body, masked=True)
@@ -177,8 +169,6 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
   carry = lax.fori_loop(fblo, fbhi, functools.partial(body, masked=False),
                         carry)
   acc, m, l = lax.fori_loop(fbhi, bhi, masked_body, carry)
-  if transposed_pv:
-    acc = acc.T
 
   seen = (l > 0) & (rows < q_len)
   p_scale = quant.P_SCALE if fp8 else 1.0
@@ -249,11 +239,7 @@ def attention_forward(
   kernel = functools.partial(
       _fwd_kernel, block_q=bq, block_k=bk, int4=int4, fp8=fp8,
       v_transposed=v_transposed, spec=spec, num_kv_blocks=s_pad // bk,
-      q_block_of=lambda x, y, z: order(x, y, z)[0],
-      transposed_pv=tiling.transposed_pv)
-  if tiling.transposed_pv and not v_transposed:
-    raise ValueError("KernelTiling.transposed_pv needs V as [B, K, H, S] "
-                     "(v_transposed=True).")
+      q_block_of=lambda x, y, z: order(x, y, z)[0])
   kv_head = lambda i, bb, nn: (bb, nn // g, 0, 0)
   head_vec = spec_of((None, None, h), lambda i, bb, nn: (bb, nn // g, 0))
   per_batch = spec_of((None,), lambda i, bb, nn: (bb,))
