@@ -7,12 +7,17 @@ and ``forward(call, config)``. ``forward`` takes a checked call
 the output in that same layout (any float dtype; the caller casts) and the
 natural-log LSE, f32 ``[B, N, T]``. It does its own quantization, mirroring
 :mod:`sagejax.quant`, and may read the caller's layout directly.
+
+``forward`` is split in two so that benchmarks can time the attention alone:
+``prepare(call, config)`` returns a pytree of quantized inputs and
+``kernel(prepared, call, config)`` the same ``(output, lse)`` as ``forward``;
+``kernel`` reads only static fields, shapes, masks and lengths of ``call``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import jax
 
@@ -27,6 +32,11 @@ class Backend(Protocol):
 
   def unsupported(self, call: ParsedCall, config: SageConfig
                   ) -> Optional[str]: ...
+
+  def prepare(self, call: ParsedCall, config: SageConfig) -> Any: ...
+
+  def kernel(self, prepared: Any, call: ParsedCall, config: SageConfig
+             ) -> tuple[jax.Array, jax.Array]: ...
 
   def forward(self, call: ParsedCall, config: SageConfig
               ) -> tuple[jax.Array, jax.Array]: ...

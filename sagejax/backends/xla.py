@@ -128,20 +128,34 @@ class _XlaBackend:
                   ) -> Optional[str]:
     return None
 
-  def forward(self, call: ParsedCall, config: SageConfig
-              ) -> tuple[jax.Array, jax.Array]:
+  def prepare(self, call: ParsedCall, config: SageConfig
+              ) -> tuple[quant.QuantizedQKV, Optional[jax.Array]]:
+    """Quantized inputs and the LSE shift K smoothing removes (or None)."""
     q, k, v = call.canonical()
     qkv = quant.quantize(q, k, v, config, call.sm_scale, call.q_lengths,
                          call.kv_lengths)
+    shift = None
+    if config.smooth_k:
+      kv_lengths = quant._lengths_or_full(call.kv_lengths, k)
+      shift = quant.lse_shift(q, quant.token_mean(k, kv_lengths),
+                              call.sm_scale)
+    return qkv, shift
+
+  def kernel(self, prepared, call: ParsedCall, config: SageConfig
+             ) -> tuple[jax.Array, jax.Array]:
+    """Attention alone on :meth:`prepare`'s output."""
+    qkv, shift = prepared
     out, lse = attend_quantized(qkv, config, call.spec,
                                 q_lengths=call.q_lengths,
                                 kv_lengths=call.kv_lengths, mask=call.mask,
                                 bias=call.bias)
-    if config.smooth_k:
-      kv_lengths = quant._lengths_or_full(call.kv_lengths, k)
-      lse = lse + quant.lse_shift(q, quant.token_mean(k, kv_lengths),
-                                  call.sm_scale)
+    if shift is not None:
+      lse = lse + shift
     return from_canonical(out, call.layout), lse
+
+  def forward(self, call: ParsedCall, config: SageConfig
+              ) -> tuple[jax.Array, jax.Array]:
+    return self.kernel(self.prepare(call, config), call, config)
 
 
 BACKEND = _XlaBackend()

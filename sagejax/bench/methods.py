@@ -15,9 +15,7 @@ config), call, config)``. ``prepared`` is a pytree of arrays (the quantized
 inputs, e.g. a :class:`sagejax.quant.QuantizedQKV`). ``kernel`` gets a ``call``
 whose ``q``, ``k``, ``v`` are ``jax.ShapeDtypeStruct`` (shapes only, no data):
 it reads the static fields (``spec``, ``sm_scale``, ``layout``, shapes) and
-the optional ``mask``, ``bias`` and lengths. The ``"xla"`` backend gets the
-hook here, from :func:`sagejax.quant.quantize` and
-:func:`sagejax.backends.xla.attend_quantized`.
+the optional ``mask``, ``bias`` and lengths. Both backends provide it.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 import sagejax
-from sagejax import _inputs, backends, quant
+from sagejax import _inputs, backends
 from sagejax.config import PRESETS, SageConfig
 
 # Comparison methods outside sagejax, in table order.
@@ -112,29 +110,12 @@ def dtype_name(dtype) -> str:
 # ----------------------------------------------------------------------------
 
 
-def _xla_prepare(call: _inputs.ParsedCall, config: SageConfig):
-  q, k, v = call.canonical()
-  return quant.quantize(q, k, v, config, call.sm_scale, call.q_lengths,
-                        call.kv_lengths)
-
-
-def _xla_kernel(prepared, call: _inputs.ParsedCall, config: SageConfig):
-  from sagejax.backends import xla  # pylint: disable=import-outside-toplevel
-  out, lse = xla.attend_quantized(prepared, config, call.spec,
-                                  q_lengths=call.q_lengths,
-                                  kv_lengths=call.kv_lengths, mask=call.mask,
-                                  bias=call.bias)
-  return _inputs.from_canonical(out, call.layout), lse
-
-
 def kernel_hooks(backend) -> Optional[tuple[Callable, Callable]]:
   """``(prepare, kernel)`` of a backend (see the module docstring), or None."""
   prepare = getattr(backend, "prepare", None)
   kernel = getattr(backend, "kernel", None)
   if callable(prepare) and callable(kernel):
     return prepare, kernel
-  if backend.name == "xla":
-    return _xla_prepare, _xla_kernel
   return None
 
 
@@ -171,12 +152,6 @@ def sage_forward(key: str, config: SageConfig, causal: bool
     call = _inputs.parse(q, k, v, is_causal=causal)
     return backend.forward(call, config)[0].astype(q.dtype)
   return forward
-
-
-def _opaque_dataclass(x: Any) -> bool:
-  """A dataclass instance that JAX treats as a leaf, not a pytree."""
-  return (dataclasses.is_dataclass(x) and not isinstance(x, type)
-          and jax.tree_util.tree_leaves(x) == [x])
 
 
 def _check_served(backend, shape: Shape, config: SageConfig, dtype) -> None:
@@ -218,16 +193,9 @@ def _sage_kernel(key: str, preset: str, dtype) -> Callable[[Shape], Built]:
       static["call"] = dataclasses.replace(
           call, **{n: jax.ShapeDtypeStruct(x.shape, x.dtype)
                    for n, x in (("q", call.q), ("k", call.k), ("v", call.v))})
-      prepared = prepare(call, config)
-      if _opaque_dataclass(prepared):  # not a pytree: pass its fields
-        static["type"] = type(prepared)
-        prepared = {f.name: getattr(prepared, f.name)
-                    for f in dataclasses.fields(prepared)}
-      return (prepared,)
+      return (prepare(call, config),)
 
     def run(prepared):
-      if "type" in static:
-        prepared = static["type"](**prepared)
       return kernel(prepared, static["call"], config)[0]
 
     return Built(fn=run, prepare=prep)
