@@ -146,6 +146,38 @@ def test_interpreted_backend_end_to_end(preset, layout):
   assert vs_xla < 0.3 * vs_exact + 1e-3, (vs_xla, vs_exact)
 
 
+def _mask_and_bias(b, n, t, s, mask_shape, bias_shape):
+  """A random boolean mask (every row keeps a key) and a random bias."""
+  mask = jax.random.bernoulli(_key(), 0.7, mask_shape)
+  mask = mask.at[..., 0].set(True)
+  bias = 2.0 * jax.random.normal(_key(), bias_shape)
+  return mask, bias
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("shapes", [
+    ((2, 4, 70, 90), (1, 4, 70, 90)),   # full mask, per-head bias
+    ((1, 1, 1, 90), (2, 1, 70, 1)),     # key-padding mask, per-row bias
+])
+def test_interpreted_mask_and_bias_match_xla(preset, shapes):
+  """User mask and bias arrays: pallas path == "xla" path on the same call."""
+  config = PRESETS[preset]
+  b, t, s, n, kh, h = 2, 70, 90, 4, 2, 64
+  q, k, v = _data(b, t, s, n, kh, h, kind="channel_bias")
+  mask, bias = _mask_and_bias(b, n, t, s, *shapes)
+  call = _inputs.parse(q, k, v, bias, mask, is_causal=True)
+  got, got_lse = pallas_triton.INTERPRET_BACKEND.forward(call, config)
+  want, want_lse = xla.BACKEND.forward(call, config)
+  exact = sagejax.exact_attention(q, k, v, bias, mask, is_causal=True)
+  vs_xla = testing.error_metrics(got, want)["rel_l2"]
+  vs_exact = testing.error_metrics(want, exact)["rel_l2"]
+  assert vs_xla < 0.3 * vs_exact + 1e-3, (vs_xla, vs_exact)
+  fin = np.isfinite(np.asarray(want_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), fin)
+  np.testing.assert_allclose(np.asarray(got_lse)[fin],
+                             np.asarray(want_lse)[fin], atol=2e-2)
+
+
 LOWER_CASES = [
     (preset, layout, causal, h)
     for preset in sorted(PRESETS)
@@ -160,8 +192,11 @@ def test_lowers_for_cuda(preset, layout, causal, h):
   config = PRESETS[preset]
   q, k, v = _data(2, 200, 150, 4, 2, h, layout=layout, dtype=jnp.bfloat16)
 
+  mask = jnp.ones((2, 1, 200, 150), bool) if h == 96 else None
+  bias = jnp.zeros((1, 4, 1, 150)) if h == 256 else None
+
   def f(q, k, v):
-    call = _inputs.parse(q, k, v, is_causal=causal, layout=layout,
+    call = _inputs.parse(q, k, v, bias, mask, is_causal=causal, layout=layout,
                          key_value_seq_lengths=jnp.array([150, 99]))
     return pallas_triton.BACKEND.forward(call, config)
 
@@ -172,10 +207,9 @@ def test_lowers_for_cuda(preset, layout, causal, h):
 
 def test_unsupported_calls_name_the_reason():
   q, k, v = _data(1, 16, 16, 2, 2, 64)
-  bias = jnp.ones((1, 2, 16, 16))
-  call = _inputs.parse(q, k, v, bias)
+  call = _inputs.parse(q, k, v, scale=-1.0)
   reason = pallas_triton.BACKEND.unsupported(call, PRESETS["sage2-8b"])
-  assert "bias" in reason
+  assert "positive scale" in reason
   call = _inputs.parse(q, k, v)
   reason = pallas_triton.BACKEND.unsupported(
       call, PRESETS["sage2-8b"].replace(pv_accumulation="fp32"))
@@ -234,6 +268,26 @@ def test_gpu_pallas_matches_xla_and_exact(preset, causal, align, shape,
   np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), fin)
   np.testing.assert_allclose(np.asarray(got_lse)[fin],
                              np.asarray(want_lse)[fin], atol=2e-2)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("preset", ["sage2-8b", "sage2-4b"])
+def test_gpu_mask_and_bias(preset):
+  b, t, s, n, kh, h = 2, 600, 1000, 8, 2, 128
+  q, k, v = _data(b, t, s, n, kh, h, kind="qkv_channel_bias",
+                  dtype=jnp.bfloat16)
+  mask, bias = _mask_and_bias(b, n, t, s, (b, 1, t, s), (1, n, t, s))
+  run = jax.jit(lambda q, k, v, m, bb, impl: sagejax.attention(
+      q, k, v, bb, m, is_causal=True, causal_alignment="bottom_right",
+      config=preset, implementation=impl), static_argnums=5)
+  got = run(q, k, v, mask, bias, "pallas")
+  want = run(q, k, v, mask, bias, "xla")
+  exact = sagejax.exact_attention(q, k, v, bias, mask, is_causal=True,
+                                  causal_alignment="bottom_right")
+  vs_xla = testing.error_metrics(got, want)["rel_l2"]
+  vs_exact = testing.error_metrics(want, exact)["rel_l2"]
+  assert vs_xla < 0.3 * vs_exact + 2e-3, (vs_xla, vs_exact)
 
 
 @gpu

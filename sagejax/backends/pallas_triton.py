@@ -42,18 +42,36 @@ def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
+def _pairwise(x: Optional[jax.Array], t_pad: int, s_pad: int, dtype
+              ) -> Optional[jax.Array]:
+  """A ``[B|1, N|1, T|1, S|1]`` mask/bias → ``[B|1, N|1, T_pad, S_pad]``.
+
+  Padding is False / 0 (padded keys and rows are cut by the lengths anyway).
+  """
+  if x is None:
+    return None
+  b, n, t, s = x.shape
+  x = jnp.broadcast_to(x, (b, n, t_pad if t == 1 else t,
+                           s_pad if s == 1 else s))
+  x = _pad_axis(_pad_axis(x, 2, t_pad), 3, s_pad)
+  return x if dtype is None else x.astype(dtype)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prepared:
   """Quantized inputs plus what the attention kernel needs to run on them.
 
   ``lse_shift`` (f32 ``[B, N, T]`` or None) is what K smoothing took out of
-  each row's LSE (:func:`sagejax.quant.lse_shift`).
+  each row's LSE (:func:`sagejax.quant.lse_shift`). ``mask`` (int8) and
+  ``bias`` are the caller's, ``[B|1, N|1, T_pad, S_pad]``.
   """
   qkv: quant.QuantizedQKV
   q_lengths: jax.Array
   kv_lengths: jax.Array
   lse_shift: Optional[jax.Array] = None
+  mask: Optional[jax.Array] = None
+  bias: Optional[jax.Array] = None
 
 
 class _PallasTritonBackend:
@@ -82,10 +100,6 @@ class _PallasTritonBackend:
     _, _, _, h, _, _ = call.dims
     if call.sm_scale <= 0:
       return "the kernel needs a positive scale"
-    if call.mask is not None:
-      return "explicit mask arrays are not supported by the kernel yet"
-    if call.bias is not None:
-      return "bias arrays are not supported by the kernel yet"
     if config.pv_dtype == "fp8_e4m3" and config.pv_accumulation == "fp32":
       return ("Triton dots start each block from a fresh accumulator, so the "
               "kernel always accumulates fp32+fp32; pass "
@@ -161,7 +175,9 @@ class _PallasTritonBackend:
       q_canon = to_canonical(call.q, layout)
       lse_shift = quant.lse_shift(q_canon, k_mean, call.sm_scale)
     return Prepared(qkv=qkv, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                    lse_shift=lse_shift)
+                    lse_shift=lse_shift,
+                    mask=_pairwise(call.mask, t_pad, s_pad, jnp.int8),
+                    bias=_pairwise(call.bias, t_pad, s_pad, None))
 
   def kernel(self, prepared: Prepared, call: ParsedCall, config: SageConfig,
              tiling: Optional[KernelTiling] = None):
@@ -182,8 +198,8 @@ class _PallasTritonBackend:
         kv_lengths=prepared.kv_lengths, config_block_q=config.block_q,
         out_dtype=call.q.dtype, out_layout=call.layout,
         v_transposed=config.pv_dtype == "fp8_e4m3",
-        int4=config.qk_dtype == "int4", tiling=tiling,
-        interpret=self.interpret)
+        int4=config.qk_dtype == "int4", tiling=tiling, mask=prepared.mask,
+        bias=prepared.bias, interpret=self.interpret)
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]
     else:

@@ -73,7 +73,7 @@ class KernelTiling:
 
 
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
-                ql_ref, kl_ref, o_ref, lse_ref, *, block_q: int, block_k: int,
+                mask_ref, bias_ref, ql_ref, kl_ref, o_ref, lse_ref, *, block_q: int, block_k: int,
                 int4: bool, fp8: bool, v_transposed: bool, spec: MaskSpec,
                 num_kv_blocks: int, q_block_of):
   i = q_block_of(pl.program_id(0), pl.program_id(1), pl.program_id(2))
@@ -109,7 +109,8 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
   else:
     q_parts = (q,)
   q_scale = qs_ref[...]
-  inv_q_scale = 1.0 / q_scale if ds_ref is not None else None
+  additive = ds_ref is not None or bias_ref is not None
+  inv_q_scale = 1.0 / q_scale if additive else None
   rows = q_first + jnp.arange(block_q)
 
   def body(j, carry, masked: bool):
@@ -129,6 +130,11 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
     t = s_int.astype(jnp.float32) * ks_ref[pl.ds(start, block_k)][None, :]
     if ds_ref is not None:  # ΔS is already in base-2 logit units.
       t = t + ds_ref[pl.ds(start, block_k)][None, :] * inv_q_scale[:, None]
+    if bias_ref is not None:  # the user's bias, natural-log units
+      bias = bias_ref[:, pl.ds(start, block_k)].astype(jnp.float32)
+      t = t + bias * (quant.LOG2E * inv_q_scale[:, None])
+    if mask_ref is not None:  # the user's mask (int8, 1 = attend)
+      t = jnp.where(mask_ref[:, pl.ds(start, block_k)] != 0, t, -jnp.inf)
     if masked:
       cols = start + jnp.arange(block_k)
       ok = cols[None, :] < kv_len
@@ -186,6 +192,7 @@ def attention_forward(
     kv_lengths: jax.Array, config_block_q: int, out_dtype,
     out_layout: str = "BNTH", v_transposed: bool = False,
     int4: bool = False, tiling: KernelTiling = KernelTiling(),
+    mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None,
     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Runs the fused forward on quantized inputs.
 
@@ -198,6 +205,9 @@ def attention_forward(
     out_dtype: output dtype.
     out_layout: ``"BNTH"`` or ``"BTNH"`` for the ``[B, *, T_pad, *, H]`` output.
     int4: Q and K are INT4-packed.
+    mask: optional int8 ``[B|1, N|1, T_pad, S_pad]``, nonzero = attend.
+    bias: optional float ``[B|1, N|1, T_pad, S_pad]`` added to the logits
+      (natural-log units, after the scale).
 
   Returns:
     (output ``[B, N, T_pad, H]`` or ``[B, T_pad, N, H]``, natural-log LSE f32
@@ -248,6 +258,15 @@ def attention_forward(
     ratio = config_block_q // bq
     ds_spec = spec_of((None, None, None, s_pad),
                       lambda i, bb, nn: (bb, nn, i // ratio, 0))
+  def pairwise_spec(x):
+    """Spec of a [B|1, N|1, T_pad, S_pad] mask/bias: a [bq, S_pad] row band."""
+    if x is None:
+      return None
+    xb, xn = x.shape[0], x.shape[1]
+    return spec_of((None, None, bq, s_pad),
+                   lambda i, bb, nn: (bb if xb > 1 else 0,
+                                      nn if xn > 1 else 0, i, 0))
+
   v_block = (None, None, h, s_pad) if v_transposed else (None, None, s_pad, h)
   in_specs = [
       spec_of((None, None, bq, hq), lambda i, bb, nn: (bb, nn, i, 0)),
@@ -258,6 +277,8 @@ def attention_forward(
       head_vec,
       None if qkv.v_mean is None else head_vec,
       ds_spec,
+      pairwise_spec(mask),
+      pairwise_spec(bias),
       per_batch,
       per_batch,
   ]
@@ -277,4 +298,4 @@ def attention_forward(
                                            num_stages=tiling.num_stages),
       interpret=interpret, name="sage_attention_fwd",
   )(qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, qkv.v, qkv.v_scale, qkv.v_mean,
-    qkv.delta_s, q_lengths, kv_lengths)
+    qkv.delta_s, mask, bias, q_lengths, kv_lengths)
