@@ -320,11 +320,12 @@ def _pad_channels_even(x: jax.Array) -> jax.Array:
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 1)])
 
 
-def _lengths_or_full(lengths: Optional[jax.Array], x: jax.Array) -> jax.Array:
-  """Per-batch valid lengths; the full token count where none were given."""
+def valid_lengths(lengths: Optional[jax.Array], batch: int, n: int
+                  ) -> jax.Array:
+  """Per-batch valid lengths, int32 ``[B]``; ``n`` where none were given."""
   if lengths is not None:
-    return lengths
-  return jnp.full((x.shape[0],), x.shape[-2], jnp.int32)
+    return lengths.astype(jnp.int32)
+  return jnp.full((batch,), n, jnp.int32)
 
 
 def quantize_q(q: jax.Array, config: SageConfig, sm_scale: float,
@@ -334,7 +335,7 @@ def quantize_q(q: jax.Array, config: SageConfig, sm_scale: float,
   The scale includes ``sm_scale * log2(e)``; the block mean ``[B, N,
   T_pad/block_q, H]`` (f32, unscaled) is returned when ``smooth_q``.
   """
-  lengths = _lengths_or_full(q_lengths, q)
+  lengths = valid_lengths(q_lengths, q.shape[0], q.shape[-2])
   q = _pad_tokens(zero_padding(q, lengths), config.block_q)
   q_mean = None
   if config.smooth_q:
@@ -355,7 +356,7 @@ def quantize_k(k: jax.Array, config: SageConfig,
 
   The smoothed K (zero past the valid lengths) is what ΔS is computed from.
   """
-  lengths = _lengths_or_full(kv_lengths, k)
+  lengths = valid_lengths(kv_lengths, k.shape[0], k.shape[-2])
   k = k.astype(jnp.float32)
   if config.smooth_k:
     k = k - token_mean(k, lengths)[..., None, :]
@@ -371,7 +372,7 @@ def quantize_k(k: jax.Array, config: SageConfig,
 def quantize_v(v: jax.Array, config: SageConfig,
                kv_lengths: Optional[jax.Array] = None):
   """V ``[B, K, S, H]`` → (values, scale ``[B, K, H]``, mean or None)."""
-  lengths = _lengths_or_full(kv_lengths, v)
+  lengths = valid_lengths(kv_lengths, v.shape[0], v.shape[-2])
   v_mean = None
   if config.smooth_v:
     v_mean = token_mean(v, lengths)

@@ -21,7 +21,7 @@ from sagejax import quant
 from sagejax._inputs import ParsedCall, to_canonical
 from sagejax.config import SageConfig
 from sagejax.kernels import triton_attention, triton_quantize
-from sagejax.kernels._common import full_lengths, next_pow2
+from sagejax.kernels._common import next_pow2
 from sagejax.kernels.triton_attention import KernelTiling
 
 
@@ -129,8 +129,8 @@ class _PallasTritonBackend:
     q = _pad_axis(_pad_axis(call.q, 3, hp), t_ax, t_pad)
     k = _pad_axis(_pad_axis(call.k, 3, hp), s_ax, s_pad)
     v = _pad_axis(_pad_axis(call.v, 3, hp), s_ax, s_pad)
-    q_lengths = full_lengths(call.q_lengths, b, t)
-    kv_lengths = full_lengths(call.kv_lengths, b, s)
+    q_lengths = quant.valid_lengths(call.q_lengths, b, t)
+    kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
     interpret = self.interpret
 
     # Reductions over all tokens (XLA, fused with the transposes).

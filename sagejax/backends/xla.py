@@ -136,7 +136,7 @@ class _XlaBackend:
                          call.kv_lengths)
     shift = None
     if config.smooth_k:
-      kv_lengths = quant._lengths_or_full(call.kv_lengths, k)
+      kv_lengths = quant.valid_lengths(call.kv_lengths, k.shape[0], k.shape[2])
       shift = quant.lse_shift(q, quant.token_mean(k, kv_lengths),
                               call.sm_scale)
     return qkv, shift

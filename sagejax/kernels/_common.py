@@ -23,14 +23,3 @@ def round_half_even(x: jax.Array, interpret: bool) -> jax.Array:
 
 def next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
-
-
-def cdiv(a, b):
-  return (a + b - 1) // b
-
-
-def full_lengths(lengths, batch: int, n: int):
-  """Per-batch valid lengths, int32 ``[B]`` (``n`` where none were given)."""
-  if lengths is None:
-    return jnp.full((batch,), n, jnp.int32)
-  return lengths.astype(jnp.int32)
