@@ -310,3 +310,20 @@ def test_gpu_grad_through_pallas():
   want = jax.grad(f(sagejax.exact_attention), (0, 1, 2))(q, k, v)
   for g, w_ in zip(got, want):
     assert testing.error_metrics(g, w_)["rel_l2"] < 1e-4
+
+
+def test_interpreted_backend_under_vmap():
+  """pallas_call batching: vmap over an extra leading axis == per-slice calls."""
+  config = SMALL["int8_thread"]
+  q, k, v = _data(2, 40, 50, 4, 2, 64)
+  scale = jnp.array([1.0, 0.5])[:, None, None, None, None]
+  qs, ks, vs = q[None] * scale, jnp.stack([k, k]), jnp.stack([v, -v])
+
+  def f(q, k, v):
+    call = _inputs.parse(q, k, v, is_causal=True)
+    return pallas_triton.INTERPRET_BACKEND.forward(call, config)[0]
+
+  batched = jax.vmap(f)(qs, ks, vs)
+  for i in range(2):
+    one = f(qs[i], ks[i], vs[i])
+    np.testing.assert_allclose(batched[i], one, rtol=1e-5, atol=1e-6)
