@@ -68,8 +68,10 @@ def test_quantize_kernels_match_quant(name, layout):
     np.testing.assert_allclose(getattr(got, field), getattr(want, field),
                                rtol=1e-6)
   gv = got.v
-  if config.pv_dtype == "fp8_e4m3":
-    gv = jnp.swapaxes(gv, 2, 3)  # the kernel writes V as [B, K, H, S]
+  if gv.dtype == quant.FP8_DTYPE:
+    gv = jnp.swapaxes(gv, 2, 3)  # FP8 for FP8 tensor cores: [B, K, H, S]
+  elif config.pv_dtype == "fp8_e4m3":
+    assert gv.dtype == jnp.float16  # FP8 values for FP16 tensor cores
   np.testing.assert_array_equal(gv.astype(jnp.float32),
                                 want.v.astype(jnp.float32))
   if want.v_mean is not None:
@@ -123,6 +125,20 @@ def test_attention_kernel_matches_xla(name, mask_id):
                              np.asarray(want_lse)[finite], atol=1e-5)
   # Padded query rows are zero.
   assert not np.any(np.asarray(got)[1, :, 33:])
+
+
+def test_fp8_operands_on_fp16_tensor_cores_are_exact():
+  """FP8-valued P̃ and V multiplied as FP16 == the FP8 MMA's operands."""
+  config = SMALL["int8_thread"]
+  q, k, v = _data(1, 64, 96, 2, 2, 64, kind="channel_bias")
+  call = _inputs.parse(q, k, v, is_causal=True)
+  outs = []
+  for fp16_mma in (False, True):
+    backend = pallas_triton._PallasTritonBackend(interpret=True,
+                                                 fp8_on_fp16_mma=fp16_mma)
+    prepared = backend.prepare(call, config, TILING)
+    outs.append(backend.kernel(prepared, call, config, TILING)[0])
+  np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

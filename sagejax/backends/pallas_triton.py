@@ -77,8 +77,13 @@ class Prepared:
 class _PallasTritonBackend:
   name = "pallas"
 
-  def __init__(self, interpret: bool = False):
+  def __init__(self, interpret: bool = False, fp8_on_fp16_mma: bool = True):
+    """``fp8_on_fp16_mma``: keep FP8-quantized P̃ and V but multiply them on
+    FP16 tensor cores (exact: e4m3 ⊂ fp16). Triton's 8-bit operand path moves
+    P̃ through shared memory every block; this is faster (benchmarks/NOTES.md).
+    """
     self.interpret = interpret
+    self.fp8_on_fp16_mma = fp8_on_fp16_mma
 
   def available(self) -> bool:
     if self.interpret:
@@ -156,10 +161,12 @@ class _PallasTritonBackend:
     k_vals, k_scale, _ = triton_quantize.quantize_qk(
         k, kv_lengths, k_mean, role="k", config=config, layout=layout,
         interpret=interpret)
-    transpose_v = config.pv_dtype == "fp8_e4m3"
+    fp8_mma = config.pv_dtype == "fp8_e4m3" and not self.fp8_on_fp16_mma
     v_vals = triton_quantize.quantize_v(
         v, kv_lengths, v_mean, v_scale, config=config, layout=layout,
-        transpose=transpose_v, interpret=interpret)
+        transpose=fp8_mma, interpret=interpret,
+        store_dtype=(jnp.float16 if config.pv_dtype == "fp8_e4m3"
+                     and not fp8_mma else None))
     delta_s = None
     if q_bmean is not None:
       k_smoothed = k_canon.astype(jnp.float32)
@@ -202,7 +209,8 @@ class _PallasTritonBackend:
         prepared.qkv, call.spec, q_lengths=prepared.q_lengths,
         kv_lengths=prepared.kv_lengths, config_block_q=config.block_q,
         out_dtype=call.q.dtype, out_layout=call.layout,
-        v_transposed=config.pv_dtype == "fp8_e4m3",
+        v_transposed=prepared.qkv.v.dtype == quant.FP8_DTYPE,
+        p_fp8=config.pv_dtype == "fp8_e4m3",
         int4=config.qk_dtype == "int4", tiling=tiling, mask=prepared.mask,
         bias=prepared.bias, interpret=self.interpret)
     if call.layout == "BTNH":

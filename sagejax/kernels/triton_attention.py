@@ -153,6 +153,8 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
       p = jnp.exp2(t * q_scale[:, None] - (m_use - _LOG2_P_SCALE)[:, None])
       l = l * alpha + jnp.sum(p, axis=1) * (1.0 / quant.P_SCALE)
       p_op = p.astype(quant.FP8_DTYPE)
+      if v_ref.dtype != quant.FP8_DTYPE:  # FP8 values on 16-bit tensor cores
+        p_op = p_op.astype(v_ref.dtype)
     else:
       p = jnp.exp2(t * q_scale[:, None] - m_use[:, None])
       l = l * alpha + jnp.sum(p, axis=1)
@@ -191,7 +193,8 @@ def attention_forward(
     qkv: quant.QuantizedQKV, spec: MaskSpec, *, q_lengths: jax.Array,
     kv_lengths: jax.Array, config_block_q: int, out_dtype,
     out_layout: str = "BNTH", v_transposed: bool = False,
-    int4: bool = False, tiling: KernelTiling = KernelTiling(),
+    int4: bool = False, p_fp8: Optional[bool] = None,
+    tiling: KernelTiling = KernelTiling(),
     mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None,
     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Runs the fused forward on quantized inputs.
@@ -205,6 +208,10 @@ def attention_forward(
     out_dtype: output dtype.
     out_layout: ``"BNTH"`` or ``"BTNH"`` for the ``[B, *, T_pad, *, H]`` output.
     int4: Q and K are INT4-packed.
+    p_fp8: round P̃ to FP8 e4m3 (static scale 448); default: when V is FP8.
+      With V holding FP8 values stored as FP16, the P·V product runs on FP16
+      tensor cores with exactly the FP8 operands (every e4m3 value is an
+      FP16 value).
     mask: optional int8 ``[B|1, N|1, T_pad, S_pad]``, nonzero = attend.
     bias: optional float ``[B|1, N|1, T_pad, S_pad]`` added to the logits
       (natural-log units, after the scale).
@@ -228,7 +235,7 @@ def attention_forward(
   if qkv.delta_s is not None and config_block_q % bq:
     raise ValueError(f"kernel block_q={bq} must divide the config's block_q="
                      f"{config_block_q} when Q is smoothed.")
-  fp8 = qkv.v.dtype == quant.FP8_DTYPE
+  fp8 = qkv.v.dtype == quant.FP8_DTYPE if p_fp8 is None else p_fp8
   nq = t_pad // bq
   # Program ids → (query block, batch, head), in the tiling's launch order.
   if tiling.heads_outer:

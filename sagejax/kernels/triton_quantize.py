@@ -133,13 +133,15 @@ def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref, *,
   x = jnp.where(valid, x, 0.0)
   if fp8:
     x = jnp.clip(x / scale_ref[...][None, :], -quant.FP8_MAX, quant.FP8_MAX)
+    x = x.astype(quant.FP8_DTYPE)  # FP8 values, stored as out_ref's dtype
   y = x.astype(out_ref.dtype)
   out_ref[...] = y.T if transpose else y
 
 
 def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                scale: jax.Array, *, config: SageConfig, layout: str,
-               transpose: bool, interpret: bool = False) -> jax.Array:
+               transpose: bool, store_dtype=None, interpret: bool = False
+               ) -> jax.Array:
   """V to the P·V operand type, one block of tokens of one head per program.
 
   Args:
@@ -149,6 +151,8 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
     scale: f32 ``[B, K, H]`` per-channel scale (FP8; ignored otherwise).
     transpose: write ``[B, K, H, S]`` (FP8 tensor cores want the contraction
       axis contiguous) instead of ``[B, K, S, H]``.
+    store_dtype: dtype of the output; default the config's P·V operand type.
+      FP8 values can be stored as float16 (exactly) for FP16 tensor cores.
   """
   if layout == "BTNH":
     b, s, kh, h = v.shape
@@ -156,8 +160,8 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
     b, kh, s, h = v.shape
   block = config.block_k
   fp8 = config.pv_dtype == "fp8_e4m3"
-  dtype = {"fp8_e4m3": quant.FP8_DTYPE, "fp16": jnp.float16,
-           "bf16": jnp.bfloat16}[config.pv_dtype]
+  dtype = store_dtype or {"fp8_e4m3": quant.FP8_DTYPE, "fp16": jnp.float16,
+                          "bf16": jnp.bfloat16}[config.pv_dtype]
   if transpose:
     out_shape = jax.ShapeDtypeStruct((b, kh, h, s), dtype)
     out_spec = pl.BlockSpec((None, None, h, block),
