@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import sagejax
 from sagejax import PRESETS, _inputs, testing
 from sagejax.backends import pallas_triton
-from sagejax.kernels.triton_attention import KernelTiling
 
 L2_BYTES = 60 << 20
 
@@ -56,7 +55,6 @@ def input_sets(b, s, n, h, kind="normal"):
 
 def quant_parts(sets, config, causal):
   """ms of each quantization step alone, and of XLA's token reductions."""
-  from sagejax import quant
   from sagejax.kernels import triton_quantize
   parts = {}
   lengths = jnp.full((sets[0][0].shape[0],), sets[0][0].shape[1], jnp.int32)
@@ -68,7 +66,6 @@ def quant_parts(sets, config, causal):
       jnp.max(jnp.abs(v.astype(jnp.float32)), axis=1)))
   parts["k_mean+v_amax (xla)"] = means
   def k_only(q, k, v):
-    mean = jnp.swapaxes(jnp.mean(k.astype(jnp.float32), axis=1), 0, 0)
     return triton_quantize.quantize_qk(k, lengths, jnp.zeros(
         (k.shape[0], k.shape[2], k.shape[3]), jnp.float32), role="k",
         config=config, layout="BTNH")[:2]

@@ -7,7 +7,6 @@ import functools
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 
 from sagejax import _inputs, _vjp, backends
 from sagejax.config import ConfigLike, SageConfig, resolve_config

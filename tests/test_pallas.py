@@ -15,7 +15,7 @@ import pytest
 import sagejax
 from sagejax import PRESETS, SageConfig, _inputs, quant, testing
 from sagejax.backends import pallas_triton, xla
-from sagejax.kernels import triton_attention, triton_quantize
+from sagejax.kernels import triton_attention
 from sagejax.masks import MaskSpec
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -11,7 +11,6 @@ caller's layout.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import jax

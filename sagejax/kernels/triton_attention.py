@@ -11,7 +11,9 @@ the keys it may see (GQA: query head n reads KV head n // G, never a copy):
 
 The KV loop visits only the blocks a query block can see (causal diagonal,
 local window, per-batch lengths) and applies the mask only to blocks that
-straddle an edge. Inputs come from :mod:`sagejax.kernels.triton_quantize`
+straddle an edge (user mask/bias arrays: every block). When V holds FP8 values
+stored as FP16, P̃ is rounded to FP8 and the product runs on FP16 tensor cores
+with the same operands (every e4m3 value is an FP16 value). Inputs come from :mod:`sagejax.kernels.triton_quantize`
 (or :func:`sagejax.quant.quantize`, with ``v_transposed=False``).
 """
 
