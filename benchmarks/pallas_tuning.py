@@ -77,6 +77,14 @@ def quant_parts(sets, config, causal):
   return {name: timeit(fn, sets) * 1e3 for name, fn in parts.items()}
 
 
+def kernel_seconds(backend, config, sets, causal, call):
+  """Median seconds of ``backend.kernel`` alone on its own prepared inputs."""
+  prep = jax.jit(lambda q, k, v: backend.prepare(
+      _inputs.parse(q, k, v, is_causal=causal), config))
+  prepared = [(prep(*a),) for a in sets]
+  return timeit(jax.jit(lambda p: backend.kernel(p, call, config)), prepared)
+
+
 def tops(b, n, s, h, causal, sec):
   return 4 * b * n * s * s * h / sec / (2 if causal else 1) / 1e12
 
@@ -127,24 +135,15 @@ def main():
           tilings += [rep(base, heads_outer=True, heavy_first=True),
                       rep(base, heads_outer=True),
                       rep(base, heavy_first=True)]
-        if args.ablations:  # same kernel with FP16 P·V (sage1 arithmetic)
-          sage1 = PRESETS["sage1"]
-          prep1 = jax.jit(lambda q, k, v: backend.prepare(
-              _inputs.parse(q, k, v, is_causal=causal), sage1))
-          prepared1 = [(prep1(*a),) for a in sets]
-          kern1 = jax.jit(lambda p: backend.kernel(p, call0, sage1))
-          t_sage1 = timeit(kern1, prepared1)
-          del prepared1
-          # The FP8 P·V on 8-bit tensor cores (V as FP8 [H, S]) instead of
-          # FP8 values on FP16 tensor cores (the default).
-          fp8_backend = pallas_triton._PallasTritonBackend(
-              fp8_on_fp16_mma=False)
-          prep8 = jax.jit(lambda q, k, v: fp8_backend.prepare(
-              _inputs.parse(q, k, v, is_causal=causal), config))
-          prepared8 = [(prep8(*a),) for a in sets]
-          kern8 = jax.jit(lambda p: fp8_backend.kernel(p, call0, config))
-          t_fp8mma = timeit(kern8, prepared8)
-          del prepared8
+        if args.ablations:
+          # The same kernel with FP16 P·V (sage1 arithmetic), and the FP8
+          # P·V on 8-bit tensor cores (V as FP8 [H, S]) instead of FP8 values
+          # on FP16 tensor cores (the default).
+          t_sage1 = kernel_seconds(backend, PRESETS["sage1"], sets, causal,
+                                   call0)
+          t_fp8mma = kernel_seconds(
+              pallas_triton._PallasTritonBackend(fp8_on_fp16_mma=False),
+              config, sets, causal, call0)
         t_cudnn = timeit(cudnn, sets)
         t_e2e = timeit(e2e, sets)
         t_prep = timeit(prep, sets)
