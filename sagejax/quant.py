@@ -293,6 +293,9 @@ class QuantizedQKV:
       None.
     delta_s: f32 ``[B, N, T_pad / block_q, S_pad]``, ΔS = q̄·γ(K)ᵀ in base-2
       score units, when Q was smoothed, else None.
+    lse_shift: f32 ``[B, N, T]`` (unpadded), what K smoothing took out of each
+      row's natural-log LSE (:func:`lse_shift`); backends add it to the LSE
+      the attention arithmetic yields. None when K was not smoothed.
   """
 
   q: jax.Array
@@ -303,6 +306,7 @@ class QuantizedQKV:
   v_scale: jax.Array
   v_mean: Optional[jax.Array]
   delta_s: Optional[jax.Array]
+  lse_shift: Optional[jax.Array] = None
 
 
 def _pad_tokens(x: jax.Array, multiple: int) -> jax.Array:
@@ -352,21 +356,24 @@ def quantize_q(q: jax.Array, config: SageConfig, sm_scale: float,
 
 def quantize_k(k: jax.Array, config: SageConfig,
                kv_lengths: Optional[jax.Array] = None):
-  """K ``[B, K, S, H]`` → (values, scale ``[B, K, S_pad]``, smoothed K f32).
+  """K ``[B, K, S, H]`` → (values, scale ``[B, K, S_pad]``, smoothed K f32,
+  mean f32 ``[B, K, H]`` or None).
 
   The smoothed K (zero past the valid lengths) is what ΔS is computed from.
   """
   lengths = valid_lengths(kv_lengths, k.shape[0], k.shape[-2])
   k = k.astype(jnp.float32)
+  k_mean = None
   if config.smooth_k:
-    k = k - token_mean(k, lengths)[..., None, :]
+    k_mean = token_mean(k, lengths)
+    k = k - k_mean[..., None, :]
   k = _pad_tokens(zero_padding(k, lengths), config.block_k)
   if config.qk_dtype == "int4":
     k = _pad_channels_even(k)
   values, scale = quantize_groups(k, "k", config)
   if config.qk_dtype == "int4":
     values = pack_int4(values)
-  return values, scale, k
+  return values, scale, k, k_mean
 
 
 def quantize_v(v: jax.Array, config: SageConfig,
@@ -411,13 +418,15 @@ def quantize(q: jax.Array, k: jax.Array, v: jax.Array, config: SageConfig,
   padding: they are zeroed and do not count in any mean or scale.
   """
   qv, q_scale, q_mean = quantize_q(q, config, sm_scale, q_lengths)
-  kv_, k_scale, k_smoothed = quantize_k(k, config, kv_lengths)
+  kv_, k_scale, k_smoothed, k_mean = quantize_k(k, config, kv_lengths)
   vv, v_scale, v_mean = quantize_v(v, config, kv_lengths)
   delta_s = None
   if q_mean is not None:
     delta_s = delta_scores(q_mean, k_smoothed, sm_scale)
+  shift = None if k_mean is None else lse_shift(q, k_mean, sm_scale)
   return QuantizedQKV(q=qv, q_scale=q_scale, k=kv_, k_scale=k_scale, v=vv,
-                      v_scale=v_scale, v_mean=v_mean, delta_s=delta_s)
+                      v_scale=v_scale, v_mean=v_mean, delta_s=delta_s,
+                      lse_shift=shift)
 
 
 def lse_shift(q: jax.Array, k_mean: jax.Array, sm_scale: float) -> jax.Array:

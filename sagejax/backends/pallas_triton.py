@@ -61,14 +61,11 @@ def _pairwise(x: Optional[jax.Array], t_pad: int, s_pad: int, dtype
 class Prepared:
   """Quantized inputs plus what the attention kernel needs to run on them.
 
-  ``lse_shift`` (f32 ``[B, N, T]`` or None) is what K smoothing took out of
-  each row's LSE (:func:`sagejax.quant.lse_shift`). ``mask`` (int8) and
-  ``bias`` are the caller's, ``[B|1, N|1, T_pad, S_pad]``.
+  ``mask`` (int8) and ``bias`` are the caller's, ``[B|1, N|1, T_pad, S_pad]``.
   """
   qkv: quant.QuantizedQKV
   q_lengths: jax.Array
   kv_lengths: jax.Array
-  lse_shift: Optional[jax.Array] = None
   mask: Optional[jax.Array] = None
   bias: Optional[jax.Array] = None
 
@@ -173,15 +170,15 @@ class _PallasTritonBackend:
         k_smoothed = k_smoothed - k_mean[..., None, :]
       delta_s = quant.delta_scores(
           q_bmean, quant.zero_padding(k_smoothed, kv_lengths), call.sm_scale)
-    qkv = quant.QuantizedQKV(q=q_vals, q_scale=q_scale, k=k_vals,
-                             k_scale=k_scale, v=v_vals, v_scale=v_scale,
-                             v_mean=v_mean, delta_s=delta_s)
     lse_shift = None
     if k_mean is not None:
-      q_canon = to_canonical(call.q, layout)
-      lse_shift = quant.lse_shift(q_canon, k_mean, call.sm_scale)
+      lse_shift = quant.lse_shift(to_canonical(call.q, layout), k_mean,
+                                  call.sm_scale)
+    qkv = quant.QuantizedQKV(q=q_vals, q_scale=q_scale, k=k_vals,
+                             k_scale=k_scale, v=v_vals, v_scale=v_scale,
+                             v_mean=v_mean, delta_s=delta_s,
+                             lse_shift=lse_shift)
     return Prepared(qkv=qkv, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                    lse_shift=lse_shift,
                     mask=_pairwise(call.mask, t_pad, s_pad, jnp.int8),
                     bias=_pairwise(call.bias, t_pad, s_pad, None))
 
@@ -217,8 +214,8 @@ class _PallasTritonBackend:
     else:
       out = out[:, :, :t, :h]
     lse = lse[:, :, :t]
-    if prepared.lse_shift is not None:
-      lse = lse + prepared.lse_shift
+    if prepared.qkv.lse_shift is not None:
+      lse = lse + prepared.qkv.lse_shift
     return out, lse
 
   def forward(self, call: ParsedCall, config: SageConfig

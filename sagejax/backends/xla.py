@@ -129,28 +129,20 @@ class _XlaBackend:
     return None
 
   def prepare(self, call: ParsedCall, config: SageConfig
-              ) -> tuple[quant.QuantizedQKV, Optional[jax.Array]]:
-    """Quantized inputs and the LSE shift K smoothing removes (or None)."""
+              ) -> quant.QuantizedQKV:
     q, k, v = call.canonical()
-    qkv = quant.quantize(q, k, v, config, call.sm_scale, call.q_lengths,
-                         call.kv_lengths)
-    shift = None
-    if config.smooth_k:
-      kv_lengths = quant.valid_lengths(call.kv_lengths, k.shape[0], k.shape[2])
-      shift = quant.lse_shift(q, quant.token_mean(k, kv_lengths),
-                              call.sm_scale)
-    return qkv, shift
+    return quant.quantize(q, k, v, config, call.sm_scale, call.q_lengths,
+                          call.kv_lengths)
 
-  def kernel(self, prepared, call: ParsedCall, config: SageConfig
-             ) -> tuple[jax.Array, jax.Array]:
+  def kernel(self, qkv: quant.QuantizedQKV, call: ParsedCall,
+             config: SageConfig) -> tuple[jax.Array, jax.Array]:
     """Attention alone on :meth:`prepare`'s output."""
-    qkv, shift = prepared
     out, lse = attend_quantized(qkv, config, call.spec,
                                 q_lengths=call.q_lengths,
                                 kv_lengths=call.kv_lengths, mask=call.mask,
                                 bias=call.bias)
-    if shift is not None:
-      lse = lse + shift
+    if qkv.lse_shift is not None:
+      lse = lse + qkv.lse_shift
     return from_canonical(out, call.layout), lse
 
   def forward(self, call: ParsedCall, config: SageConfig
