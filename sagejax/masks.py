@@ -44,16 +44,6 @@ class MaskSpec:
   q_len: int
   kv_len: int
 
-  def diagonal_offset(self, q_lengths: Optional[jax.Array],
-                      kv_lengths: Optional[jax.Array]) -> jax.Array:
-    """Offset of the diagonal, int32 ``[B, 1, 1, 1]`` or a scalar."""
-    if self.causal_alignment == "top_left":
-      return jnp.int32(0)
-    ql = jnp.int32(self.q_len) if q_lengths is None else q_lengths
-    kl = jnp.int32(self.kv_len) if kv_lengths is None else kv_lengths
-    off = jnp.asarray(kl - ql, jnp.int32)
-    return off.reshape(off.shape + (1, 1, 1)) if off.ndim else off
-
   def visible(self, q_pos: jax.Array, k_pos: jax.Array,
               q_lengths: Optional[jax.Array] = None,
               kv_lengths: Optional[jax.Array] = None) -> jax.Array:
@@ -62,15 +52,22 @@ class MaskSpec:
     Includes padding: queries at or past their length and keys at or past
     theirs (or past ``q_len`` / ``kv_len``) see nothing / are never seen.
     """
-    i = q_pos[None, None, :, None]
-    j = k_pos[None, None, None, :]
     kv_limit = (jnp.int32(self.kv_len) if kv_lengths is None
                 else kv_lengths[:, None, None, None])
     q_limit = (jnp.int32(self.q_len) if q_lengths is None
                else q_lengths[:, None, None, None])
+    return self.visible_at(q_pos[None, None, :, None],
+                           k_pos[None, None, None, :], q_limit, kv_limit)
+
+  def visible_at(self, i: jax.Array, j: jax.Array, q_limit, kv_limit
+                 ) -> jax.Array:
+    """The rule itself, on broadcastable query and key positions ``i``, ``j``
+    and valid lengths ``q_limit``, ``kv_limit`` (what kernels call on their
+    tile with scalar lengths)."""
     ok = (j < kv_limit) & (i < q_limit)
     if self.is_causal or self.window is not None:
-      diag = i + self.diagonal_offset(q_lengths, kv_lengths)
+      bottom_right = self.causal_alignment == "bottom_right"
+      diag = i + (kv_limit - q_limit if bottom_right else 0)
       if self.is_causal:
         ok = ok & (j <= diag)
       if self.window is not None:

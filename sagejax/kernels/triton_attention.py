@@ -75,8 +75,8 @@ class KernelTiling:
 
 
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
-                mask_ref, bias_ref, ql_ref, kl_ref, o_ref, lse_ref, *, block_q: int, block_k: int,
-                int4: bool, fp8: bool, v_transposed: bool, spec: MaskSpec,
+                mask_ref, bias_ref, ql_ref, kl_ref, o_ref, lse_ref, *,
+                block_q: int, block_k: int, int4: bool, fp8: bool, v_transposed: bool, spec: MaskSpec,
                 num_kv_blocks: int, q_block_of):
   i = q_block_of(pl.program_id(0), pl.program_id(1), pl.program_id(2))
   q_len = ql_ref[...]
@@ -137,15 +137,9 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
       t = t + bias * (quant.LOG2E * inv_q_scale[:, None])
     if mask_ref is not None:  # the user's mask (int8, 1 = attend)
       t = jnp.where(mask_ref[:, pl.ds(start, block_k)] != 0, t, -jnp.inf)
-    if masked:
+    if masked:  # the rule of masks.MaskSpec, on this tile
       cols = start + jnp.arange(block_k)
-      ok = cols[None, :] < kv_len
-      diag = rows[:, None] + offset
-      if spec.is_causal:
-        ok = ok & (cols[None, :] <= diag)
-      if spec.window is not None:
-        ok = ok & (cols[None, :] >= diag - spec.window[0])
-        ok = ok & (cols[None, :] <= diag + spec.window[1])
+      ok = spec.visible_at(rows[:, None], cols[None, :], q_len, kv_len)
       t = jnp.where(ok, t, -jnp.inf)
     m_new = jnp.maximum(m, q_scale * jnp.max(t, axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
