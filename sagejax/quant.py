@@ -423,7 +423,9 @@ def quantize(q: jax.Array, k: jax.Array, v: jax.Array, config: SageConfig,
   delta_s = None
   if q_mean is not None:
     delta_s = delta_scores(q_mean, k_smoothed, sm_scale)
-  shift = None if k_mean is None else lse_shift(q, k_mean, sm_scale)
+  shift = None
+  if k_mean is not None:  # padding rows (LSE −inf anyway) get no shift
+    shift = lse_shift(zero_padding(q, q_lengths), k_mean, sm_scale)
   return QuantizedQKV(q=qv, q_scale=q_scale, k=kv_, k_scale=k_scale, v=vv,
                       v_scale=v_scale, v_mean=v_mean, delta_s=delta_s,
                       lse_shift=shift)
