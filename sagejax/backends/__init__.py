@@ -48,6 +48,11 @@ def registry() -> dict[str, Backend]:
   from sagejax.backends import xla
   backends: list[Backend] = []
   try:
+    from sagejax.backends import mosaic
+    backends.append(mosaic.BACKEND)
+  except ImportError:  # pragma: no cover - Mosaic GPU missing from this jax
+    pass
+  try:
     from sagejax.backends import pallas_triton
     backends.append(pallas_triton.BACKEND)
   except ImportError:  # pragma: no cover - Pallas missing from this jax build

@@ -70,6 +70,76 @@ class Prepared:
   bias: Optional[jax.Array] = None
 
 
+def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
+                    t_multiple: int, s_multiple: int, v_transposed: bool,
+                    v_store_dtype=None, v_wgmma_key_order: bool = False,
+                    interpret: bool = False) -> Prepared:
+  """Smooths and quantizes Q, K, V with the Pallas (Triton) kernels.
+
+  The token axes are padded to multiples of ``t_multiple`` / ``s_multiple``
+  (powers of two, at least the config's blocks) and the head dim to
+  ``head_dim``. V is ``[B, K, S_pad, H]``, or ``[B, K, H, S_pad]`` with
+  ``v_transposed`` (keys in the Mosaic kernel's order with
+  ``v_wgmma_key_order``), stored as ``v_store_dtype`` (default: the config's
+  P·V operand type). XLA computes the reductions over all tokens.
+  """
+  b, n, t, h, kh, s = call.dims
+  layout = call.layout
+  t_ax, s_ax = (1, 1) if layout == "BTNH" else (2, 2)
+  t_pad = -(-t // t_multiple) * t_multiple
+  s_pad = -(-s // s_multiple) * s_multiple
+  q = _pad_axis(_pad_axis(call.q, 3, head_dim), t_ax, t_pad)
+  k = _pad_axis(_pad_axis(call.k, 3, head_dim), s_ax, s_pad)
+  v = _pad_axis(_pad_axis(call.v, 3, head_dim), s_ax, s_pad)
+  q_lengths = quant.valid_lengths(call.q_lengths, b, t)
+  kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
+
+  # Reductions over all tokens (XLA, fused with the transposes).
+  k_mean = None
+  k_canon = to_canonical(k, layout)
+  if config.smooth_k:
+    k_mean = quant.token_mean(k_canon, kv_lengths)
+  v_canon = to_canonical(v, layout)
+  v_mean = quant.token_mean(v_canon, kv_lengths) if config.smooth_v else None
+  if config.pv_dtype == "fp8_e4m3":
+    centred = v_canon.astype(jnp.float32)
+    if v_mean is not None:
+      centred = centred - v_mean[..., None, :]
+    v_scale = quant.scale_from_amax(
+        jnp.max(jnp.abs(quant.zero_padding(centred, kv_lengths)), axis=-2),
+        quant.FP8_MAX)
+  else:
+    v_scale = jnp.ones((b, kh, head_dim), jnp.float32)
+
+  q_vals, q_scale, q_bmean = triton_quantize.quantize_qk(
+      q, q_lengths, None, role="q", config=config, layout=layout,
+      scale_mult=call.sm_scale * quant.LOG2E, interpret=interpret)
+  k_vals, k_scale, _ = triton_quantize.quantize_qk(
+      k, kv_lengths, k_mean, role="k", config=config, layout=layout,
+      interpret=interpret)
+  v_vals = triton_quantize.quantize_v(
+      v, kv_lengths, v_mean, v_scale, config=config, layout=layout,
+      transpose=v_transposed, store_dtype=v_store_dtype,
+      wgmma_key_order=v_wgmma_key_order, interpret=interpret)
+  delta_s = None
+  if q_bmean is not None:
+    k_smoothed = k_canon.astype(jnp.float32)
+    if k_mean is not None:
+      k_smoothed = k_smoothed - k_mean[..., None, :]
+    delta_s = quant.delta_scores(
+        q_bmean, quant.zero_padding(k_smoothed, kv_lengths), call.sm_scale)
+  lse_shift = None
+  if k_mean is not None:
+    lse_shift = quant.lse_shift(to_canonical(call.q, layout), k_mean,
+                                call.sm_scale)
+  qkv = quant.QuantizedQKV(q=q_vals, q_scale=q_scale, k=k_vals,
+                           k_scale=k_scale, v=v_vals, v_scale=v_scale,
+                           v_mean=v_mean, delta_s=delta_s, lse_shift=lse_shift)
+  return Prepared(qkv=qkv, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                  mask=_pairwise(call.mask, t_pad, s_pad, jnp.int8),
+                  bias=_pairwise(call.bias, t_pad, s_pad, None))
+
+
 class _PallasTritonBackend:
   name = "pallas"
 
@@ -119,68 +189,18 @@ class _PallasTritonBackend:
     Token axes are padded to multiples of both the config's blocks and the
     kernel's tiles (all powers of two).
     """
-    b, n, t, h, kh, s = call.dims
+    _, _, t, h, _, s = call.dims
     hp = max(32, next_pow2(h))
     tiling = tiling or default_tiling(hp, config)
-    layout = call.layout
-    t_ax, s_ax = (1, 1) if layout == "BTNH" else (2, 2)
-    bq = max(config.block_q, min(tiling.block_q, next_pow2(t)))
-    bk = max(config.block_k, min(tiling.block_k, next_pow2(s)))
-    t_pad, s_pad = -(-t // bq) * bq, -(-s // bk) * bk
-    q = _pad_axis(_pad_axis(call.q, 3, hp), t_ax, t_pad)
-    k = _pad_axis(_pad_axis(call.k, 3, hp), s_ax, s_pad)
-    v = _pad_axis(_pad_axis(call.v, 3, hp), s_ax, s_pad)
-    q_lengths = quant.valid_lengths(call.q_lengths, b, t)
-    kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
-    interpret = self.interpret
-
-    # Reductions over all tokens (XLA, fused with the transposes).
-    k_mean = None
-    k_canon = to_canonical(k, layout)
-    if config.smooth_k:
-      k_mean = quant.token_mean(k_canon, kv_lengths)
-    v_canon = to_canonical(v, layout)
-    v_mean = quant.token_mean(v_canon, kv_lengths) if config.smooth_v else None
-    if config.pv_dtype == "fp8_e4m3":
-      centred = v_canon.astype(jnp.float32)
-      if v_mean is not None:
-        centred = centred - v_mean[..., None, :]
-      v_scale = quant.scale_from_amax(
-          jnp.max(jnp.abs(quant.zero_padding(centred, kv_lengths)), axis=-2),
-          quant.FP8_MAX)
-    else:
-      v_scale = jnp.ones((b, kh, hp), jnp.float32)
-
-    q_vals, q_scale, q_bmean = triton_quantize.quantize_qk(
-        q, q_lengths, None, role="q", config=config, layout=layout,
-        scale_mult=call.sm_scale * quant.LOG2E, interpret=interpret)
-    k_vals, k_scale, _ = triton_quantize.quantize_qk(
-        k, kv_lengths, k_mean, role="k", config=config, layout=layout,
-        interpret=interpret)
     fp8_mma = config.pv_dtype == "fp8_e4m3" and not self.fp8_on_fp16_mma
-    v_vals = triton_quantize.quantize_v(
-        v, kv_lengths, v_mean, v_scale, config=config, layout=layout,
-        transpose=fp8_mma, interpret=interpret,
-        store_dtype=(jnp.float16 if config.pv_dtype == "fp8_e4m3"
-                     and not fp8_mma else None))
-    delta_s = None
-    if q_bmean is not None:
-      k_smoothed = k_canon.astype(jnp.float32)
-      if k_mean is not None:
-        k_smoothed = k_smoothed - k_mean[..., None, :]
-      delta_s = quant.delta_scores(
-          q_bmean, quant.zero_padding(k_smoothed, kv_lengths), call.sm_scale)
-    lse_shift = None
-    if k_mean is not None:
-      lse_shift = quant.lse_shift(to_canonical(call.q, layout), k_mean,
-                                  call.sm_scale)
-    qkv = quant.QuantizedQKV(q=q_vals, q_scale=q_scale, k=k_vals,
-                             k_scale=k_scale, v=v_vals, v_scale=v_scale,
-                             v_mean=v_mean, delta_s=delta_s,
-                             lse_shift=lse_shift)
-    return Prepared(qkv=qkv, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                    mask=_pairwise(call.mask, t_pad, s_pad, jnp.int8),
-                    bias=_pairwise(call.bias, t_pad, s_pad, None))
+    return quantize_inputs(
+        call, config, head_dim=hp,
+        t_multiple=max(config.block_q, min(tiling.block_q, next_pow2(t))),
+        s_multiple=max(config.block_k, min(tiling.block_k, next_pow2(s))),
+        v_transposed=fp8_mma,
+        v_store_dtype=(jnp.float16 if config.pv_dtype == "fp8_e4m3"
+                       and not fp8_mma else None),
+        interpret=self.interpret)
 
   def kernel(self, prepared: Prepared, call: ParsedCall, config: SageConfig,
              tiling: Optional[KernelTiling] = None):

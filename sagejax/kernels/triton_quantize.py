@@ -124,13 +124,16 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
 
 
 def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref, *,
-                       block: int, fp8: bool, transpose: bool):
+                       block: int, fp8: bool, transpose: bool,
+                       key_order: Optional[tuple[int, ...]]):
   i = pl.program_id(0)
   valid = ((i * block + jnp.arange(block)) < len_ref[...])[:, None]
   x = v_ref[...].astype(jnp.float32)
   if mean_ref is not None:
     x = x - mean_ref[...][None, :]
   x = jnp.where(valid, x, 0.0)
+  if key_order is not None:  # keys [j, a, c, i] stored at [j, c, a, i]
+    x = x.reshape(key_order).transpose(0, 2, 1, 3, 4).reshape(x.shape)
   if fp8:
     x = jnp.clip(x / scale_ref[...][None, :], -quant.FP8_MAX, quant.FP8_MAX)
     x = x.astype(quant.FP8_DTYPE)  # FP8 values, stored as out_ref's dtype
@@ -140,8 +143,8 @@ def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref, *,
 
 def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                scale: jax.Array, *, config: SageConfig, layout: str,
-               transpose: bool, store_dtype=None, interpret: bool = False
-               ) -> jax.Array:
+               transpose: bool, store_dtype=None, wgmma_key_order: bool = False,
+               interpret: bool = False) -> jax.Array:
   """V to the P·V operand type, one block of tokens of one head per program.
 
   Args:
@@ -153,6 +156,9 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
       axis contiguous) instead of ``[B, K, S, H]``.
     store_dtype: dtype of the output; default the config's P·V operand type.
       FP8 values can be stored as float16 (exactly) for FP16 tensor cores.
+    wgmma_key_order: store the keys of every group of 16 in the order of
+      :func:`sagejax.kernels.mosaic_attention.pv_key_order` (the Mosaic
+      kernel's in-register P̃ operand).
   """
   if layout == "BTNH":
     b, s, kh, h = v.shape
@@ -171,8 +177,11 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
     out_spec = pl.BlockSpec((None, None, block, h),
                             lambda i, bb, nn: (bb, nn, i, 0))
   head = pl.BlockSpec((None, None, h), lambda i, bb, nn: (bb, nn, 0))
+  if wgmma_key_order and block % 16:
+    raise ValueError(f"wgmma_key_order needs block_k % 16 == 0, got {block}.")
+  key_order = (block // 16, 2, 4, 2, h) if wgmma_key_order else None
   kernel = functools.partial(_quantize_v_kernel, block=block, fp8=fp8,
-                             transpose=transpose)
+                             transpose=transpose, key_order=key_order)
   return pl.pallas_call(
       kernel, grid=(s // block, b, kh),
       in_specs=[_token_spec(layout, block, h),

@@ -1,0 +1,468 @@
+"""Pallas Mosaic GPU kernel: the SageAttention forward on Hopper (sm90).
+
+FlashAttention-3 structure with 8-bit tensor cores. A CTA owns
+``2 * block_q`` query rows of one head and runs three warpgroups:
+
+* a producer (few registers) streams each KV step's K tile ``[block_kv, H]``
+  (INT8), its per-key scales and the V tile into a ``num_stages``-deep shared
+  memory ring with TMA, waiting on "consumed" barriers before reusing a slot;
+* two consumers, ``block_q`` rows each, compute
+
+    s  = (q_int8 · k_int8ᵀ)_int32 · k_scale[key] (+ ΔS / q_scale)   (wgmma s8)
+    m' = max(m, q_scale · rowmax s);  p̃ = exp2(q_scale · s − m' + log2 448)
+    l' = l · 2^(m − m') + rowsum p̃
+    acc = acc · 2^(m − m') + fp8(p̃) · v_fp8                         (wgmma e4m3)
+
+  taking turns on the tensor cores (a shared "schedule" barrier): while one
+  warpgroup runs its softmax the other's two products run.
+
+P̃ never leaves registers: the FP8 values of the FP32 accumulator layout are
+re-labelled as the 8-bit A-operand layout of the second ``wgmma``
+(:func:`_as_pv_operand`), which permutes the keys inside every group of 16;
+V is stored transposed ``[H, S]`` with the same permutation
+(:func:`pv_key_order`), so the product is unchanged. 8-bit ``wgmma`` operands
+must be K-major in shared memory, hence K as ``[S, H]`` and Vᵀ as ``[H, S]``.
+With 16-bit P·V (``sage1``), V is ``[S, H]`` and P̃ is cast to V's dtype.
+
+Each KV block's P·V starts from a fresh accumulator and is added into the
+FP32 output accumulator (``"fp32+fp32"``); with ``pv_two_level=False`` the
+running accumulator is fed to the ``wgmma`` instead. KV blocks a CTA cannot
+see (causal diagonal, local window, per-batch lengths) are never loaded; the
+mask is applied only to the blocks that straddle an edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from sagejax import quant
+from sagejax.masks import MaskSpec
+
+_LOG2_P_SCALE = math.log2(quant.P_SCALE)
+_PV_KEY_GROUP = 16  # keys permuted inside each group (see pv_key_order)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiling:
+  """Tuning of the Mosaic attention kernel (not part of the math).
+
+  Attributes:
+    block_q: query rows per consumer warpgroup (a CTA owns two blocks).
+    block_kv: keys per pipeline step; a multiple of 64 (128 for FP8 P·V:
+      the 8-bit ``wgmma`` contracts 128 keys per instruction group).
+    num_stages: depth of the K/V shared-memory ring.
+    consumer_registers: per-thread registers of the consumer warpgroups
+      (``setmaxnreg``); the producer keeps ``producer_registers``.
+    schedule_barrier: consumers take turns on the tensor cores.
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+  consumer_registers: int = 232
+  producer_registers: int = 40
+  schedule_barrier: bool = True
+
+  def __post_init__(self):
+    if self.block_q != 64:
+      raise ValueError(f"MosaicTiling.block_q must be 64 (one wgmma M tile "
+                       f"per consumer warpgroup), got {self.block_q}.")
+    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+      raise ValueError("MosaicTiling.block_kv must be 64, 128, 192 or 256, "
+                       f"got {self.block_kv}.")
+    if not 2 <= self.num_stages <= 6:
+      raise ValueError(f"MosaicTiling.num_stages must be in 2..6, got "
+                       f"{self.num_stages}.")
+    regs = (self.consumer_registers, self.producer_registers)
+    if any(r % 8 or not 24 <= r <= 256 for r in regs):
+      raise ValueError("MosaicTiling register counts must be multiples of 8 "
+                       f"in 24..256, got {regs}.")
+
+
+def pv_key_order(n: int) -> np.ndarray:
+  """The key permutation of the FP8 P·V operands: ``v_perm = v[..., order, :]``.
+
+  The FP32 accumulator gives thread ``4r + c`` the columns ``2c, 2c+1`` of
+  each group of 8; the 8-bit A operand wants ``4c .. 4c+3`` of each group of
+  16. Re-labelling the registers without moving them puts key
+  ``16j + 8a + 2c + i`` at position ``16j + 4c + 2a + i``: V's keys are stored
+  in that order so the product is unchanged. ``n`` must be a multiple of 16.
+  """
+  if n % _PV_KEY_GROUP:
+    raise ValueError(f"{n} keys is not a multiple of {_PV_KEY_GROUP}.")
+  # position (j, c, a, i) holds key (j, a, c, i)
+  keys = np.arange(n).reshape(n // 16, 2, 4, 2)  # [j, a, c, i] -> key
+  return keys.transpose(0, 2, 1, 3).reshape(n)
+
+
+def _swizzle(row_bytes: int) -> int:
+  for s in (128, 64, 32):
+    if row_bytes % s == 0:
+      return s
+  raise ValueError(f"rows of {row_bytes} bytes cannot be swizzled")
+
+
+def _smem(shape, dtype):
+  """A shared-memory tile with the tiling/swizzle a wgmma operand needs."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = _swizzle(shape[-1] * itemsize)
+  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
+                plgpu.SwizzleTransform(swizzle))
+  return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _as_pv_operand(p8: jax.Array) -> jax.Array:
+  """FP8 P̃ in the accumulator layout → the 8-bit wgmma A-operand layout.
+
+  No data moves: pairs of registers are concatenated, which permutes the
+  columns inside each group of 16 as :func:`pv_key_order` says.
+  """
+  from jax.experimental.mosaic import gpu as mgpu  # lowering-time only
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+  shape = p8.shape
+  p8 = plgpu.layout_cast(p8, plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(shape, p8.dtype,
+                                         layout=plgpu.Layout.WGMMA_8BIT))
+  def relabel(_, p):
+    regs = p.registers
+    new_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape(shape)
+    new = np.empty(new_shape, dtype=object)
+    for idx in np.ndindex(new_shape):
+      lo = list(idx)
+      hi = list(idx)
+      lo[1], hi[1] = 2 * idx[1], 2 * idx[1] + 1
+      new[idx] = mgpu.utils.vector_concat([regs[tuple(lo)], regs[tuple(hi)]])
+    return mgpu.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT_8BIT,
+                                _is_signed=None)
+
+  return relabel(p8)
+
+
+def kv_block_range(spec: MaskSpec, q_first, q_last, q_len, kv_len,
+                   block_kv: int, num_kv_blocks: int):
+  """KV blocks that rows ``[q_first, q_last]`` may see, and those all see.
+
+  Returns ``(lo, full_lo, full_hi, hi)``: blocks ``[lo, hi)`` are visited;
+  ``[full_lo, full_hi)`` are visible to every row (no mask needed), the rest
+  straddle the causal diagonal, the window's edges or ``kv_len``.
+  """
+  offset = kv_len - q_len if spec.causal_alignment == "bottom_right" else 0
+  lo, hi = jnp.int32(0), kv_len
+  full_lo, full_hi = jnp.int32(0), kv_len
+  if spec.is_causal:
+    hi = jnp.minimum(hi, q_last + offset + 1)
+    full_hi = jnp.minimum(full_hi, q_first + offset + 1)
+  if spec.window is not None:
+    left, right = spec.window
+    hi = jnp.minimum(hi, q_last + offset + right + 1)
+    full_hi = jnp.minimum(full_hi, q_first + offset + right + 1)
+    lo = jnp.maximum(lo, q_first + offset - left)
+    full_lo = jnp.maximum(full_lo, q_last + offset - left)
+  bk = jnp.int32(block_kv)
+  hi_b = jnp.clip(lax.div(jnp.maximum(hi, 0) + bk - 1, bk), 0, num_kv_blocks)
+  hi_b = jnp.where(q_first < q_len, hi_b, 0)
+  lo_b = jnp.clip(lax.div(jnp.maximum(lo, 0), bk), 0, hi_b)
+  full_hi_b = jnp.clip(lax.div(jnp.maximum(full_hi, 0), bk), lo_b, hi_b)
+  full_lo_b = jnp.clip(lax.div(jnp.maximum(full_lo, 0) + bk - 1, bk), lo_b,
+                       full_hi_b)
+  return lo_b, full_lo_b, full_hi_b, hi_b
+
+
+def attention_forward(
+    q: jax.Array, q_scale: jax.Array, k: jax.Array, k_scale: jax.Array,
+    v: jax.Array, v_scale: jax.Array, v_mean: Optional[jax.Array],
+    delta_s: Optional[jax.Array], spec: MaskSpec, *, q_lengths: jax.Array,
+    kv_lengths: jax.Array, config_block_q: int = 128, out_dtype=jnp.bfloat16,
+    out_layout: str = "BNTH", pv_two_level: bool = True,
+    tiling: MosaicTiling = MosaicTiling(),
+) -> tuple[jax.Array, jax.Array]:
+  """Runs the Mosaic GPU forward on quantized inputs.
+
+  Args:
+    q: int8 ``[B, N, T_pad, H]``; ``T_pad`` a multiple of ``2 * block_q``.
+    q_scale: f32 ``[B, N, T_pad]`` (includes ``sm_scale·log2 e``).
+    k: int8 ``[B, K, S_pad, H]``; ``S_pad`` a multiple of ``block_kv``.
+    k_scale: f32 ``[B, K, S_pad]``.
+    v: FP8 e4m3 ``[B, K, H, S_pad]`` with keys in :func:`pv_key_order`, or
+      16-bit ``[B, K, S_pad, H]`` (P·V on the 16-bit tensor cores).
+    v_scale, v_mean: f32 ``[B, K, H]`` (``v_mean`` may be None).
+    delta_s: f32 ``[B, N, T_pad / config_block_q, S_pad]`` (ΔS of smoothed
+      Q, base-2 units) or None.
+    spec: causal/window description; ``q_len``/``kv_len`` unpadded.
+    q_lengths, kv_lengths: int32 ``[B]`` valid lengths.
+    out_layout: ``"BNTH"`` or ``"BTNH"`` for the ``[B, *, T_pad, *, H]`` output.
+    pv_two_level: each block's P·V from a fresh accumulator (``fp32+fp32``).
+
+  Returns:
+    (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
+    ``[B, N, T_pad]``); rows that see no key give zeros and −inf.
+  """
+  b, n, t_pad, h = q.shape
+  kh, s_pad = k.shape[1], k.shape[2]
+  g = n // kh
+  fp8 = v.dtype == quant.FP8_DTYPE
+  bq, bkv, stages = tiling.block_q, tiling.block_kv, tiling.num_stages
+  if fp8 and bkv % 128:
+    raise ValueError(f"FP8 P·V needs block_kv a multiple of 128, got {bkv}.")
+  if t_pad % (2 * bq) or s_pad % bkv:
+    raise ValueError(f"padded lengths T={t_pad}, S={s_pad} must be multiples "
+                     f"of {2 * bq} and {bkv}.")
+  if q.dtype != jnp.int8 or k.dtype != jnp.int8:
+    raise ValueError("q and k must be int8 (INT4 is unpacked to int8 first).")
+  if delta_s is not None and config_block_q % (2 * bq):
+    raise ValueError(f"config block_q={config_block_q} must be a multiple of "
+                     f"{2 * bq} when Q is smoothed.")
+  num_kv_blocks = s_pad // bkv
+  ds_rows = None if delta_s is None else config_block_q // (2 * bq)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  pv_dtype = v.dtype
+
+  def kernel(refs, out_ref, lse_ref, scratch):
+    q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, ql_ref, kl_ref = (
+        refs[name] for name in ("q", "qs", "k", "ks", "v", "vs", "ql", "kl"))
+    vm_ref, ds_ref = refs.get("vm"), refs.get("ds")
+    (q_smem, qs_smem, k_smem, ks_smem, v_smem, ds_smem, o_smem, lse_smem,
+     vs_smem, vm_smem) = scratch[0]
+    q_bar, k_bar, v_bar = scratch[1]
+    k_free, v_free = scratch[2]
+    sched = scratch[3]
+    head = lax.axis_index("heads")
+    qt = lax.axis_index("q_tiles")
+    batch = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    kv_head = lax.div(head, jnp.int32(g))
+    q_len = ql_ref[batch]
+    kv_len = kl_ref[batch]
+    cta_first = qt * (2 * bq)
+    cta_last = jnp.minimum(cta_first + 2 * bq, q_len) - 1
+    blo, fblo, fbhi, bhi = kv_block_range(spec, cta_first, cta_last, q_len,
+                                          kv_len, bkv, num_kv_blocks)
+
+    def schedule():
+      if tiling.schedule_barrier:
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(tiling.consumer_registers, action="increase")
+      row0 = cta_first + wg * bq
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)],
+                              q_smem.at[wg], q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(qs_ref.at[batch, head, pl.ds(row0, bq)],
+                              qs_smem.at[wg], q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(vs_ref.at[batch, kv_head], vs_smem.at[wg],
+                              q_bar.at[wg])
+      if vm_ref is not None:
+        plgpu.copy_gmem_to_smem(vm_ref.at[batch, kv_head], vm_smem.at[wg],
+                                q_bar.at[wg])
+      plgpu.barrier_wait(q_bar.at[wg])
+      qs = plgpu.load(qs_smem.at[wg], (), layout=row_layout)
+      inv_qs = 1.0 / qs if ds_ref is not None else None
+      m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                            row_layout)
+      l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+      acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32),
+                              plgpu.Layout.WGMMA)
+
+      @pl.when(bhi > blo)
+      def _():
+        plgpu.barrier_wait(k_bar.at[0])
+
+      pl.when(wg == 1)(schedule)
+
+      def step(j, carry, masked: bool):
+        acc, m, l = carry
+        slot = lax.rem(j - blo, jnp.int32(stages))
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem.at[wg],
+                      plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          schedule()
+          return acc_ref[...]
+
+        s_int = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.int32))
+        ks = plgpu.load(ks_smem.at[slot], (), layout=col_layout)
+        t = s_int.astype(jnp.float32) * lax.broadcast_in_dim(
+            ks, (bq, bkv), [1])
+        if ds_ref is not None:
+          ds = plgpu.load(ds_smem.at[slot], (), layout=col_layout)
+          t = t + (lax.broadcast_in_dim(ds, (bq, bkv), [1])
+                   * lax.broadcast_in_dim(inv_qs, (bq, bkv), [0]))
+        plgpu.barrier_arrive(k_free.at[slot])
+        if masked:
+          rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0,
+                                               layout=plgpu.Layout.WGMMA)
+          cols = j * bkv + plgpu.broadcasted_iota(
+              jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+          t = jnp.where(spec.visible_at(rows, cols, q_len, kv_len), t,
+                        -jnp.inf)
+        m_new = jnp.maximum(m, qs * t.max(axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_use)
+        shift = m_use - _LOG2_P_SCALE if fp8 else m_use
+        p = jnp.exp2(t * lax.broadcast_in_dim(qs, (bq, bkv), [0])
+                     - lax.broadcast_in_dim(shift, (bq, bkv), [0]))
+        l = l * alpha + p.sum(axis=1)
+        if fp8:
+          p_op = _as_pv_operand(p.astype(pv_dtype))
+          v_tile = plgpu.transpose_ref(v_smem.at[slot], (1, 0))
+        else:
+          p_op = p.astype(pv_dtype)
+          v_tile = v_smem.at[slot]
+        alpha_b = lax.broadcast_in_dim(alpha, (bq, h), [0])
+        if not pv_two_level:
+          acc = acc * alpha_b
+        if tiling.schedule_barrier:
+          plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(v_bar.at[slot])
+        if tiling.schedule_barrier:
+          plgpu.barrier_wait(sched)
+
+        def pv(pv_ref):
+          plgpu.wgmma(pv_ref, p_op, v_tile)
+          nxt = j + 1
+
+          @pl.when(nxt < bhi)
+          def _():
+            plgpu.barrier_wait(k_bar.at[lax.rem(nxt - blo, jnp.int32(stages))])
+
+        if pv_two_level:
+          block = pl.run_state(pv)(plgpu.ACC.init(
+              plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32),
+                                plgpu.Layout.WGMMA)))
+          acc = acc * alpha_b + block
+        else:
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      carry = (acc, m, l)
+      masked = functools.partial(step, masked=True)
+      carry = lax.fori_loop(blo, fblo, masked, carry)
+      carry = lax.fori_loop(fblo, fbhi, functools.partial(step, masked=False),
+                            carry)
+      acc, m, l = lax.fori_loop(fbhi, bhi, masked, carry)
+      pl.when(wg == 0)(schedule)
+
+      rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
+                                           layout=row_layout)
+      seen = (l > 0) & (rows < q_len)
+      inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      vs = plgpu.load(vs_smem.at[wg], (), layout=col_layout)
+      out = (acc * lax.broadcast_in_dim(inv_l, (bq, h), [0])
+             * lax.broadcast_in_dim(vs, (bq, h), [1]))
+      if vm_ref is not None:
+        vm = plgpu.load(vm_smem.at[wg], (), layout=col_layout)
+        out = jnp.where(lax.broadcast_in_dim(seen, (bq, h), [0]),
+                        out + lax.broadcast_in_dim(vm, (bq, h), [1]), 0.0)
+      o_smem.at[wg][...] = out.astype(out_dtype)
+      p_shift = _LOG2_P_SCALE if fp8 else 0.0
+      lse_smem.at[wg][...] = jnp.where(
+          seen, (m + jnp.log2(jnp.where(seen, l, 1.0)) - p_shift) * quant.LN2,
+          -jnp.inf)
+      plgpu.commit_smem()
+      if out_layout == "BTNH":
+        dst = out_ref.at[batch, pl.ds(row0, bq), head]
+      else:
+        dst = out_ref.at[batch, head, pl.ds(row0, bq)]
+      plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                              lse_ref.at[batch, head, pl.ds(row0, bq)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(tiling.producer_registers, action="decrease")
+
+      @pl.loop(blo, bhi)
+      def _(j):
+        slot = lax.rem(j - blo, jnp.int32(stages))
+        keys = pl.ds(j * bkv, bkv)
+
+        @pl.when(j - blo >= stages)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, keys],
+                                k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, keys],
+                                ks_smem.at[slot], k_bar.at[slot])
+        if ds_ref is not None:
+          plgpu.copy_gmem_to_smem(
+              ds_ref.at[batch, head, lax.div(qt, jnp.int32(ds_rows)), keys],
+              ds_smem.at[slot], k_bar.at[slot])
+
+        @pl.when(j - blo >= stages)
+        def _():
+          plgpu.barrier_wait(v_free.at[slot])
+
+        if fp8:
+          v_src = v_ref.at[batch, kv_head, :, keys]
+        else:
+          v_src = v_ref.at[batch, kv_head, keys]
+        plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
+
+  inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
+                ds=delta_s, ql=q_lengths, kl=kv_lengths)
+  names = tuple(name for name, x in inputs.items() if x is not None)
+
+  def entry(*all_refs):
+    refs = dict(zip(names, all_refs[:len(names)]))
+    out_ref, lse_ref = all_refs[len(names):]
+    ds_ref = refs.get("ds")
+    v_tile = (stages, h, bkv) if fp8 else (stages, bkv, h)
+    smem = (
+        _smem((2, bq, h), jnp.int8),
+        plgpu.SMEM((2, bq), jnp.float32),
+        _smem((stages, bkv, h), jnp.int8),
+        plgpu.SMEM((stages, bkv), jnp.float32),
+        _smem(v_tile, pv_dtype),
+        None if ds_ref is None else plgpu.SMEM((stages, bkv), jnp.float32),
+        _smem((2, bq, h), out_dtype),
+        plgpu.SMEM((2, bq), jnp.float32),
+        plgpu.SMEM((2, h), jnp.float32),
+        None if "vm" not in refs else plgpu.SMEM((2, h), jnp.float32),
+    )
+    q_arrivals = 3 if "vm" not in refs else 4
+    k_arrivals = 2 if ds_ref is None else 3
+    pl.run_scoped(
+        lambda *scratch: kernel(refs, out_ref, lse_ref, scratch),
+        smem,
+        (plgpu.Barrier(num_arrivals=q_arrivals, num_barriers=2),
+         plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=stages),
+         plgpu.Barrier(num_barriers=stages)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+  if out_layout == "BTNH":
+    out_shape = (b, t_pad, n, h)
+  else:
+    out_shape = (b, n, t_pad, h)
+  return plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),
+                jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
+      grid=(n, t_pad // (2 * bq), b),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(*(inputs[name] for name in names))

@@ -1,0 +1,279 @@
+"""The Mosaic GPU (Hopper) backend.
+
+What a CPU host allows (JAX 0.10.2 and 0.11): a Mosaic GPU ``pallas_call`` is
+traced *and lowered* for CUDA (``.lower(lowering_platforms=("cuda",))``):
+Pallas's Mosaic lowering runs in Python and checks layouts, wgmma operand
+types, transforms and the shared-memory budget; only the final PTX/SASS
+compilation needs the GPU. Mosaic GPU's interpreter cannot run this kernel
+(it has no wgmma with a register operand), so the numerics are checked by the
+GPU tests (marked ``gpu``) against the ``"xla"`` oracle and exact attention.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sagejax
+from sagejax import PRESETS, SageConfig, _inputs, quant, testing
+from sagejax.backends import mosaic, xla
+from sagejax.kernels import mosaic_attention, triton_quantize
+from sagejax.kernels.mosaic_attention import MosaicTiling
+from sagejax.masks import MaskSpec
+
+ON_HOPPER = mosaic.BACKEND.available()
+gpu = pytest.mark.gpu
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm90 GPU")
+
+_seed = itertools.count()
+
+
+def _data(b, t, s, n, kh, h, kind="qkv_channel_bias", layout="BTNH",
+          dtype=jnp.bfloat16):
+  key = jax.random.PRNGKey(5000 + next(_seed))
+  return testing.make_qkv(key, b, t, s, n, kh, h, kind, dtype, layout)
+
+
+def test_pv_key_order_is_the_register_relabelling():
+  """Accumulator columns of thread 4r+c, relabelled as the 8-bit operand's,
+  land where pv_key_order says (two groups of 16)."""
+  order = mosaic_attention.pv_key_order(32)
+  assert sorted(order) == list(range(32))
+  for group in range(2):
+    for c in range(4):
+      # accumulator: thread c holds 2c, 2c+1 (first 8), 8+2c, 9+2c (next 8)
+      acc_cols = [2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c]
+      # 8-bit operand: thread c holds 4c .. 4c+3, in register order
+      for i, col in enumerate(acc_cols):
+        assert order[16 * group + 4 * c + i] == 16 * group + col
+  with pytest.raises(ValueError):
+    mosaic_attention.pv_key_order(24)
+
+
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+def test_quantize_v_in_wgmma_key_order(layout):
+  """The Triton V kernel's permuted, transposed FP8 store == quant.py's V
+  with the keys reordered."""
+  config = SageConfig(block_q=32, block_k=32)
+  _, k, v = _data(2, 8, 64, 2, 2, 64, layout=layout, dtype=jnp.float32)
+  call = _inputs.parse(v[:, :8] if layout == "BTNH" else v[:, :, :8], k, v,
+                       layout=layout)
+  v_canon = call.canonical()[2]
+  want, scale, _ = quant.quantize_v(v_canon, config)
+  got = triton_quantize.quantize_v(
+      v, jnp.array([64, 64], jnp.int32), None, scale, config=config,
+      layout=layout, transpose=True, wgmma_key_order=True, interpret=True)
+  order = mosaic_attention.pv_key_order(64)
+  np.testing.assert_array_equal(
+      np.asarray(got, np.float32),
+      np.asarray(jnp.swapaxes(want[:, :, order], 2, 3), np.float32))
+
+
+def test_kv_block_range_matches_mask_rule():
+  """Visited blocks hold every visible key; unmasked ones only visible keys."""
+  rng = np.random.default_rng(0)
+  for _ in range(40):
+    t, s = int(rng.integers(1, 700)), int(rng.integers(1, 700))
+    causal = bool(rng.integers(2))
+    window = (None if rng.integers(2) else
+              (int(rng.integers(0, 300)), int(rng.integers(0, 300))))
+    align = ("top_left", "bottom_right")[int(rng.integers(2))]
+    spec = MaskSpec(causal, align, window, t, s)
+    q_len, kv_len = int(rng.integers(1, t + 1)), int(rng.integers(1, s + 1))
+    bkv, rows = 128, 128
+    nkv = -(-s // bkv)
+    for first in range(0, t, rows):
+      last = min(first + rows, q_len) - 1
+      lo, flo, fhi, hi = (int(x) for x in mosaic_attention.kv_block_range(
+          spec, first, last, q_len, kv_len, bkv, nkv))
+      i = np.arange(first, first + rows)[:, None]
+      j = np.arange(nkv * bkv)[None, :]
+      vis = np.asarray(spec.visible_at(i, j, q_len, kv_len))
+      blocks_seen = vis.reshape(rows, nkv, bkv).any(axis=(0, 2))
+      assert not blocks_seen[:lo].any() and not blocks_seen[hi:].any()
+      for blk in range(flo, fhi):  # unmasked blocks: every pair visible
+        assert vis[: last - first + 1, blk * bkv:(blk + 1) * bkv].all()
+
+
+def test_tiling_validation():
+  with pytest.raises(ValueError, match="block_q"):
+    MosaicTiling(block_q=128)
+  with pytest.raises(ValueError, match="num_stages"):
+    MosaicTiling(num_stages=1)
+  with pytest.raises(ValueError, match="register"):
+    MosaicTiling(consumer_registers=230)
+
+
+LOWER_CASES = [
+    ("sage2-8b", "BTNH", dict(is_causal=True), 128),
+    ("sage2-8b", "BNTH", dict(), 64),
+    ("sage2-8b", "BTNH", dict(local_window_size=(50, 3)), 96),
+    ("sage2-8b", "BTNH", dict(is_causal=True, causal_alignment="bottom_right"),
+     128),
+    ("sage1", "BTNH", dict(is_causal=True), 128),
+    ("sage2-4b", "BNTH", dict(), 64),
+]
+
+
+@pytest.mark.parametrize("preset,layout,masks,h", LOWER_CASES)
+def test_lowers_for_cuda(preset, layout, masks, h):
+  """Every kernel variant lowers through Pallas's Mosaic GPU path for CUDA:
+  layouts, wgmma operand types, transforms and shared memory check out."""
+  q, k, v = _data(2, 200, 300, 4, 2, h, layout=layout)
+
+  def f(q, k, v):
+    call = _inputs.parse(q, k, v, layout=layout, **masks,
+                         key_value_seq_lengths=jnp.array([300, 99]))
+    return mosaic.BACKEND.forward(call, PRESETS[preset])
+
+  text = jax.jit(f).trace(q, k, v).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "sage_quantize_v" in text
+
+
+def test_shared_memory_budget_is_checked_on_cpu():
+  """An oversized tiling fails at lowering, on the CPU, with Mosaic's
+  shared-memory message (what a user would otherwise see on the GPU)."""
+  q, k, v = _data(1, 128, 512, 2, 2, 128)
+  call = _inputs.parse(q, k, v)
+  config = PRESETS["sage2-8b"]
+  tiling = MosaicTiling(block_kv=256, num_stages=6)
+  f = lambda: mosaic.BACKEND.kernel(
+      mosaic.BACKEND.prepare(call, config, tiling), call, config, tiling)
+  with pytest.raises(Exception, match="shared memory"):
+    jax.jit(f).trace().lower(lowering_platforms=("cuda",))
+
+
+def test_unsupported_calls_name_the_reason():
+  q, k, v = _data(1, 16, 16, 2, 2, 64)
+  cfg = PRESETS["sage2-8b"]
+  mask = jnp.ones((1, 1, 16, 16), bool)
+  assert "mask/bias" in mosaic.BACKEND.unsupported(
+      _inputs.parse(q, k, v, mask=mask), cfg)
+  assert "positive scale" in mosaic.BACKEND.unsupported(
+      _inputs.parse(q, k, v, scale=-1.0), cfg)
+  q2, k2, v2 = _data(1, 16, 16, 2, 2, 256)
+  assert "head dims" in mosaic.BACKEND.unsupported(
+      _inputs.parse(q2, k2, v2), cfg)
+  assert mosaic.BACKEND.unsupported(_inputs.parse(q, k, v), cfg) is None
+  if not ON_HOPPER:
+    with pytest.raises(ValueError, match="not available"):
+      sagejax.attention(q, k, v, implementation="mosaic")
+
+
+# --------------------------------------------------------------------------
+# GPU (sm90): compiled kernel vs the "xla" oracle and exact attention.
+# --------------------------------------------------------------------------
+
+GPU_CASES = [
+    # preset, (B, T, S, N, K, H), kwargs
+    ("sage2-8b", (2, 1024, 1024, 8, 8, 128), dict()),
+    ("sage2-8b", (2, 1000, 777, 8, 2, 128), dict(is_causal=True)),
+    ("sage2-8b", (1, 333, 1500, 8, 1, 64),
+     dict(is_causal=True, causal_alignment="bottom_right", lengths=True)),
+    ("sage2-8b", (1, 1, 300, 4, 4, 64), dict()),
+    ("sage2-8b", (1, 17, 17, 4, 2, 128), dict(is_causal=True)),
+    ("sage2-8b", (1, 4097, 4097, 4, 4, 128), dict(is_causal=True)),
+    ("sage2-8b", (1, 700, 900, 4, 4, 96), dict(layout="BNTH")),
+    ("sage2-8b", (1, 1000, 1000, 4, 2, 128), dict(local_window_size=(200, 10))),
+    ("sage2-8b", (1, 1000, 1000, 4, 2, 64),
+     dict(is_causal=True, causal_alignment="bottom_right",
+          local_window_size=(300, 0), layout="BNTH")),
+    ("sage1", (2, 1000, 1000, 8, 4, 128), dict(is_causal=True)),
+    ("sage1", (1, 257, 1023, 4, 4, 64), dict(lengths=True)),
+    ("sage2-4b", (2, 1000, 1000, 8, 4, 128), dict(is_causal=True)),
+    ("sage2-4b", (1, 300, 2000, 4, 2, 64),
+     dict(causal_alignment="bottom_right", is_causal=True, lengths=True)),
+]
+
+
+def _poison(nbytes: int) -> None:
+  """Fill then free device memory: an output element never written by the
+  kernel then reads as NaN."""
+  jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32).block_until_ready()
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("preset,shape,kwargs", GPU_CASES)
+@pytest.mark.parametrize("kind", ["normal", "qkv_channel_bias"])
+def test_gpu_mosaic_matches_xla_and_exact(preset, shape, kwargs, kind):
+  b, t, s, n, kh, h = shape
+  kwargs = dict(kwargs)
+  layout = kwargs.pop("layout", "BTNH")
+  if kwargs.pop("lengths", False):
+    kwargs["query_seq_lengths"] = jnp.full((b,), max(1, t - 5), jnp.int32)
+    kwargs["key_value_seq_lengths"] = jnp.full((b,), max(1, s - 7), jnp.int32)
+  q, k, v = _data(b, t, s, n, kh, h, kind=kind, layout=layout)
+  run = jax.jit(lambda q, k, v, impl: sagejax.attention(
+      q, k, v, config=preset, implementation=impl, layout=layout,
+      return_lse=True, **kwargs), static_argnums=3)
+  _poison(8 * q.size * 4)
+  got, got_lse = run(q, k, v, "mosaic")
+  want, want_lse = run(q, k, v, "xla")
+  exact = sagejax.exact_attention(q, k, v, layout=layout, **kwargs)
+  assert got.dtype == q.dtype and got.shape == q.shape
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  vs_xla = testing.error_metrics(got, want)["rel_l2"]
+  vs_exact = testing.error_metrics(want, exact)["rel_l2"]
+  mosaic_exact = testing.error_metrics(got, exact)["rel_l2"]
+  # The kernel's 128-key tiles round P̃ against a running max taken over 128
+  # keys (the oracle's config blocks: 64): close to, not equal to, "xla".
+  assert vs_xla < 0.3 * vs_exact + 2e-3, (vs_xla, vs_exact)
+  assert mosaic_exact < 1.2 * vs_exact + 2e-3, (mosaic_exact, vs_exact)
+  fin = np.isfinite(np.asarray(want_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), fin)
+  np.testing.assert_allclose(np.asarray(got_lse)[fin],
+                             np.asarray(want_lse)[fin], atol=2e-2)
+
+
+@gpu
+@needs_hopper
+def test_gpu_kernel_alone_matches_xla_arithmetic():
+  """Same quantized inputs (quant.py's, V reordered and transposed) → the
+  compiled kernel == the "xla" arithmetic on them."""
+  config = PRESETS["sage2-8b"]
+  b, t, s, n, kh, h = 2, 512, 768, 4, 2, 128
+  q, k, v = _data(b, t, s, n, kh, h, kind="channel_bias", layout="BNTH",
+                  dtype=jnp.float32)
+  qkv = quant.quantize(q, k, v, config, h ** -0.5)
+  spec = MaskSpec(True, "top_left", None, t, s)
+  lengths = jnp.full((b,), t, jnp.int32), jnp.full((b,), s, jnp.int32)
+  want, want_lse = xla.attend_quantized(qkv, config, spec)
+  order = mosaic_attention.pv_key_order(s)
+  v_t = jnp.swapaxes(qkv.v[:, :, order], 2, 3)
+  _poison(b * n * t * h * 4 * 4)
+  got, got_lse = jax.jit(lambda *a: mosaic_attention.attention_forward(
+      *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
+      out_dtype=jnp.float32))(qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, v_t,
+                              qkv.v_scale, None, None)
+  assert testing.error_metrics(got, want)["rel_l2"] < 5e-3
+  np.testing.assert_allclose(got_lse, want_lse, atol=1e-2)
+
+
+@gpu
+@needs_hopper
+def test_gpu_default_implementation_is_mosaic():
+  q, k, v = _data(1, 256, 256, 4, 4, 64)
+  from sagejax import backends
+  assert backends.select(None, _inputs.parse(q, k, v),
+                         PRESETS["sage2-8b"]).name == "mosaic"
+  mask = jnp.ones((1, 1, 256, 256), bool)
+  assert backends.select(None, _inputs.parse(q, k, v, mask=mask),
+                         PRESETS["sage2-8b"]).name == "pallas"
+
+
+@gpu
+@needs_hopper
+def test_gpu_fully_masked_rows_give_zeros():
+  q, k, v = _data(1, 300, 300, 4, 2, 128)
+  out, lse = sagejax.attention(
+      q, k, v, local_window_size=(0, 0), causal_alignment="bottom_right",
+      key_value_seq_lengths=jnp.array([100]), implementation="mosaic",
+      return_lse=True)
+  # bottom_right with kv_len 100, q_len 300: rows below 200 see no key.
+  assert not np.any(np.asarray(out[0, :200], np.float32))
+  assert np.all(np.isneginf(np.asarray(lse[0, :, :200])))
+  assert np.all(np.isfinite(np.asarray(lse[0, :, 200:])))
