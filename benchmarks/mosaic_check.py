@@ -123,6 +123,7 @@ def tops(shape, seconds):
 def time_case(shape, variants, key, cfg):
   b, n, s, h, causal = shape
   results = {}
+  ref_out = None
   sets = []
   for _ in range(3):
     key, sub = jax.random.split(key)
@@ -134,14 +135,45 @@ def time_case(shape, variants, key, cfg):
       args = [prep(*x) if prep else x for x in sets]
       t = timing.time_calls(fn, args, cfg)
       results[name] = tops(shape, t.median_s)
+      note = ""
+      if "kernel" in name:  # same inputs as the default kernel: compare
+        out = np.asarray(fn(*args[0])[0], np.float32)
+        if ref_out is None:
+          ref_out = out
+        else:
+          note = (f" vs default kernel rel_l2="
+                  f"{testing.error_metrics(out, ref_out)['rel_l2']:.1e}")
       print(f"  {name:28s} {results[name]:7.1f} TOPS "
-            f"({t.median_s * 1e3:.3f} ms)", flush=True)
+            f"({t.median_s * 1e3:.3f} ms) [{time.strftime('%X')}]{note}",
+            flush=True)
     except Exception as e:
       traceback.print_exc(limit=2)
       results[name] = None
       print(f"  {name:28s} FAILED {type(e).__name__}: {str(e)[:200]}",
             flush=True)
   return results
+
+
+def parse_tiling(spec: str) -> MosaicTiling:
+  """``"bkv=64,stages=3,regs=240/24,sched=0"`` → a MosaicTiling."""
+  kw = {}
+  for item in filter(None, spec.split(",")):
+    name, value = item.split("=")
+    if name == "bkv":
+      kw["block_kv"] = int(value)
+    elif name == "stages":
+      kw["num_stages"] = int(value)
+    elif name == "regs":
+      c, p = value.split("/")
+      kw["consumer_registers"], kw["producer_registers"] = int(c), int(p)
+    elif name == "sched":
+      kw["schedule_barrier"] = bool(int(value))
+    else:
+      raise ValueError(f"unknown tiling field {name!r}")
+  return MosaicTiling(**kw)
+
+
+KERNEL_VARIANTS: list[str] = []  # --kernel-variants: extra tilings to time
 
 
 def variants_for(h, quick):
@@ -158,7 +190,8 @@ def variants_for(h, quick):
     return f, None
 
   def kernel_only(tiling=None, preset="sage2-8b"):
-    cfg = PRESETS[preset]
+    cfg = (PRESETS["sage2-8b"].replace(pv_accumulation="fp32")
+           if preset == "sage2-8b-fp32acc" else PRESETS[preset])
 
     def make(causal):
       parse = lambda q, k, v: _inputs.parse(q, k, v, is_causal=causal)
@@ -178,12 +211,17 @@ def variants_for(h, quick):
 
   out = [("cudnn", cudnn), ("mosaic e2e", e2e(IMPL)),
          ("mosaic kernel", kernel_only())]
+  out += [(f"kernel {v}", kernel_only(parse_tiling(v.replace("fp32acc", "")),
+                                      "sage2-8b-fp32acc" if "fp32acc" in v
+                                      else "sage2-8b"))
+          for v in KERNEL_VARIANTS]
+  if KERNEL_VARIANTS:
+    return out
   if not quick:
-    out += [("mosaic kernel stages=3", kernel_only(MosaicTiling(num_stages=3))),
-            ("mosaic kernel no-sched",
-             kernel_only(MosaicTiling(schedule_barrier=False))),
-            ("mosaic kernel regs=240",
-             kernel_only(MosaicTiling(consumer_registers=240))),
+    out += [("kernel cvt-i2f", kernel_only(MosaicTiling(
+                fast_int_to_float=False))),
+            ("kernel fp32-acc", kernel_only(preset="sage2-8b-fp32acc")),
+            ("kernel stages=3", kernel_only(MosaicTiling(num_stages=3))),
             ("mosaic sage1 e2e", e2e("mosaic", "sage1")),
             ("pallas e2e", e2e("pallas"))]
   return out
@@ -194,10 +232,19 @@ def main():
   parser.add_argument("--out", default="bench_out")
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--skip-checks", action="store_true")
+  parser.add_argument("--kernel-variants", default="",
+                      help="';'-separated tilings, e.g. 'bkv=64,stages=3;"
+                      "regs=240/24' (only these beside cudnn and default)")
+  parser.add_argument("--shapes", default="",
+                      help="';'-separated B,N,S,H,causal (causal 0/1)")
+  parser.add_argument("--compile-only", action="store_true",
+                      help="compile the default kernel per shape and stop "
+                      "(with MOSAIC_GPU_DUMP_PTXAS=1: register report)")
   parser.add_argument("--dry-run", action="store_true",
                       help="xla backend, tiny shapes: test the script on a CPU")
   args = parser.parse_args()
   global IMPL, CHECKS
+  KERNEL_VARIANTS.extend(filter(None, args.kernel_variants.split(";")))
   if args.dry_run:
     IMPL = "xla"
     CHECKS = [(p, (b, min(t, 64), min(s, 64), n, kh, h), kw)
@@ -217,8 +264,23 @@ def main():
             (4, 32, 4096, 128, True), (4, 32, 16384, 64, False)]
   if args.quick:
     shapes = shapes[:3]
+  if args.shapes:
+    shapes = [tuple(int(x) for x in sh.split(",")) for sh in
+              args.shapes.split(";")]
+    shapes = [(b, n, s, h, bool(c)) for b, n, s, h, c in shapes]
   if args.dry_run:
     shapes = [(1, 2, 128, 64, False)]
+  if args.compile_only:
+    for shape in shapes:
+      b, n, s, h, causal = shape
+      x = testing.make_qkv(key, b, s, s, n, n, h, "normal", jnp.bfloat16,
+                           "BTNH")
+      for name, make in variants_for(h, True)[2:]:
+        print(f"=== compile {name} B={b} N={n} S={s} H={h} causal={causal}",
+              flush=True)
+        fn, prep = make(causal)
+        jax.block_until_ready(fn(*prep(*x)))
+    return
   speed = {}
   for shape in shapes:
     print(f"speed B={shape[0]} N={shape[1]} S={shape[2]} H={shape[3]} "

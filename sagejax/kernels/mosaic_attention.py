@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Optional
 
@@ -58,8 +59,7 @@ class MosaicTiling:
 
   Attributes:
     block_q: query rows per consumer warpgroup (a CTA owns two blocks).
-    block_kv: keys per pipeline step; a multiple of 64 (128 for FP8 P·V:
-      the 8-bit ``wgmma`` contracts 128 keys per instruction group).
+    block_kv: keys per pipeline step, a multiple of 64.
     num_stages: depth of the K/V shared-memory ring.
     consumer_registers: per-thread registers of the consumer warpgroups
       (``setmaxnreg``); the producer keeps ``producer_registers``.
@@ -87,6 +87,12 @@ class MosaicTiling:
     if any(r % 8 or not 24 <= r <= 256 for r in regs):
       raise ValueError("MosaicTiling register counts must be multiples of 8 "
                        f"in 24..256, got {regs}.")
+    # 65536 registers per SM, 128 threads per warpgroup: two consumers and
+    # the producer must fit, or setmaxnreg waits forever.
+    if 2 * self.consumer_registers + self.producer_registers > 512:
+      raise ValueError(
+          "MosaicTiling: 2 * consumer_registers + producer_registers must be "
+          f"<= 512 (the register file), got {regs}; lower consumer_registers.")
 
 
 def pv_key_order(n: int) -> np.ndarray:
@@ -103,6 +109,14 @@ def pv_key_order(n: int) -> np.ndarray:
   # position (j, c, a, i) holds key (j, a, c, i)
   keys = np.arange(n).reshape(n // 16, 2, 4, 2)  # [j, a, c, i] -> key
   return keys.transpose(0, 2, 1, 3).reshape(n)
+
+
+def _load(ref, layout) -> jax.Array:
+  """``plgpu.load`` of a whole ref (JAX 0.10 needs the index; 0.11 warns)."""
+  if inspect.signature(plgpu.load).parameters["idx"].default is (
+      inspect.Parameter.empty):
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
 
 
 def _swizzle(row_bytes: int) -> int:
@@ -216,8 +230,6 @@ def attention_forward(
   g = n // kh
   fp8 = v.dtype == quant.FP8_DTYPE
   bq, bkv, stages = tiling.block_q, tiling.block_kv, tiling.num_stages
-  if fp8 and bkv % 128:
-    raise ValueError(f"FP8 P·V needs block_kv a multiple of 128, got {bkv}.")
   if t_pad % (2 * bq) or s_pad % bkv:
     raise ValueError(f"padded lengths T={t_pad}, S={s_pad} must be multiples "
                      f"of {2 * bq} and {bkv}.")
@@ -272,7 +284,7 @@ def attention_forward(
         plgpu.copy_gmem_to_smem(vm_ref.at[batch, kv_head], vm_smem.at[wg],
                                 q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
-      qs = plgpu.load(qs_smem.at[wg], (), layout=row_layout)
+      qs = _load(qs_smem.at[wg], row_layout)
       inv_qs = 1.0 / qs if ds_ref is not None else None
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                             row_layout)
@@ -297,11 +309,11 @@ def attention_forward(
           return acc_ref[...]
 
         s_int = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.int32))
-        ks = plgpu.load(ks_smem.at[slot], (), layout=col_layout)
+        ks = _load(ks_smem.at[slot], col_layout)
         t = s_int.astype(jnp.float32) * lax.broadcast_in_dim(
             ks, (bq, bkv), [1])
         if ds_ref is not None:
-          ds = plgpu.load(ds_smem.at[slot], (), layout=col_layout)
+          ds = _load(ds_smem.at[slot], col_layout)
           t = t + (lax.broadcast_in_dim(ds, (bq, bkv), [1])
                    * lax.broadcast_in_dim(inv_qs, (bq, bkv), [0]))
         plgpu.barrier_arrive(k_free.at[slot])
@@ -364,11 +376,11 @@ def attention_forward(
                                            layout=row_layout)
       seen = (l > 0) & (rows < q_len)
       inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-      vs = plgpu.load(vs_smem.at[wg], (), layout=col_layout)
+      vs = _load(vs_smem.at[wg], col_layout)
       out = (acc * lax.broadcast_in_dim(inv_l, (bq, h), [0])
              * lax.broadcast_in_dim(vs, (bq, h), [1]))
       if vm_ref is not None:
-        vm = plgpu.load(vm_smem.at[wg], (), layout=col_layout)
+        vm = _load(vm_smem.at[wg], col_layout)
         out = jnp.where(lax.broadcast_in_dim(seen, (bq, h), [0]),
                         out + lax.broadcast_in_dim(vm, (bq, h), [1]), 0.0)
       o_smem.at[wg][...] = out.astype(out_dtype)
