@@ -22,6 +22,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from sagejax import quant
 from sagejax.masks import MaskSpec, group_heads, key_block
 
 BLOCK_K = 128
@@ -38,9 +39,18 @@ def attention_backward(
     kv_lengths: Optional[jax.Array],
     d_out: jax.Array, d_lse: Optional[jax.Array], spec: MaskSpec,
     sm_scale: float,
+    saved: Optional[tuple[jax.Array, jax.Array]] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Optional[jax.Array]]:
   """Gradients of exact attention w.r.t. Q ``[B, N, T, H]``, K, V ``[B, K, S,
-  H]`` and the bias (in its own broadcast shape, or None)."""
+  H]`` and the bias (in its own broadcast shape, or None).
+
+  ``saved``: the forward's (output ``[B, N, T, H]``, natural-log LSE ``[B, N,
+  T]``) to use instead of recomputing exact ones (FlashAttention's choice:
+  the quantized forward's error then enters through δ and P). dQ is then
+  taken as dS·(K − k̄) + dLSE·k̄ (exact: each row of dS sums to dLSE), so
+  that δ's error never multiplies a large K mean — the oracle of the kernel
+  backward's saved-statistics path.
+  """
   b, n, t, h = q.shape
   kh, s = k.shape[1], k.shape[2]
   g = n // kh
@@ -48,12 +58,20 @@ def attention_backward(
   blocks = _KeyBlocks(q, k, v, bias, mask, q_lengths, kv_lengths, spec,
                       sm_scale)
   qf, bk, s_pad, gbias = blocks.qf, blocks.bk, blocks.s_pad, blocks.gbias
-  out, lse = blocks.exact_forward()
+  if saved is None:
+    out, lse = blocks.exact_forward()
+  else:
+    out = saved[0].astype(f32).reshape(b, kh, g, t, h)
+    lse = saved[1].astype(f32).reshape(b, kh, g, t)
   do = d_out.astype(f32).reshape(b, kh, g, t, h)
   delta = jnp.sum(do * out, axis=-1)
   if d_lse is not None:
     delta = delta - d_lse.astype(f32).reshape(b, kh, g, t)
   lse_use = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  k_off = 0.0
+  if saved is not None:
+    kbar = quant.token_mean(k, kv_lengths)[:, :, None, None, :]
+    k_off = kbar[:, :, 0]
 
   def block(dq, j):
     start = j * bk
@@ -62,7 +80,7 @@ def attention_backward(
     dv = jnp.einsum("bkgts,bkgth->bksh", p, do, precision=_HIGHEST)
     dp = jnp.einsum("bkgth,bksh->bkgts", do, vb, precision=_HIGHEST)
     ds = p * (dp - delta[..., None])
-    dq = dq + jnp.einsum("bkgts,bksh->bkgth", ds, kb,
+    dq = dq + jnp.einsum("bkgts,bksh->bkgth", ds, kb - k_off,
                          precision=_HIGHEST) * sm_scale
     dk = jnp.einsum("bkgts,bkgth->bksh", ds, qf, precision=_HIGHEST) * sm_scale
     dbias = None
@@ -77,6 +95,9 @@ def attention_backward(
   def keys_back(x):
     return jnp.moveaxis(x, 0, 2).reshape(b, kh, s_pad, h)[:, :, :s]
   dk, dv = keys_back(dk), keys_back(dv)
+  if saved is not None and d_lse is not None:
+    dl = jnp.where(jnp.isfinite(lse), d_lse.astype(f32).reshape(lse.shape), 0.)
+    dq = dq + dl[..., None] * kbar * sm_scale
   if dbias is not None:
     dbias = _bias_back(dbias, bias.shape)
   return (dq.reshape(b, n, t, h).astype(q.dtype), dk.astype(k.dtype),

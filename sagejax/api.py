@@ -46,13 +46,24 @@ def _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths):
 
 def _sage_attention_fwd(static, q, k, v, bias, mask, q_lengths, kv_lengths):
   out, lse = _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths)
-  res = (q, k, v, bias, mask, q_lengths, kv_lengths)
+  saved = None
+  if static.config.saved_stats and backends.backward_of(
+      static.backend, _call_of(static, q, k, v, bias, mask, q_lengths,
+                               kv_lengths), static.config) is not None:
+    saved = (out, lse)
+  res = (q, k, v, bias, mask, q_lengths, kv_lengths, saved)
   return (out, lse), res
 
 
 def _sage_attention_bwd(static, res, cotangents):
-  q, k, v, bias, mask, q_lengths, kv_lengths = res
+  q, k, v, bias, mask, q_lengths, kv_lengths, saved = res
   d_out, d_lse = cotangents
+  call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
+  backend = backends.backward_of(static.backend, call, static.config)
+  if backend is not None:  # the kernel backward of the forward's backend
+    dq, dk, dv, dbias = backend.backward(call, static.config, d_out, d_lse,
+                                         saved)
+    return dq, dk, dv, dbias, None, None, None
   canon = functools.partial(_inputs.to_canonical, layout=static.layout)
   grads = _vjp.attention_backward(
       canon(q), canon(k), canon(v), bias, mask, q_lengths, kv_lengths,

@@ -17,11 +17,13 @@ QKDtype = Literal["int8", "int4"]
 Granularity = Literal["per_block", "per_warp", "per_thread", "per_token"]
 PVDtype = Literal["fp8_e4m3", "fp16", "bf16"]
 PVAccumulation = Literal["fp32+fp32", "fp32"]
+BackwardStats = Literal["auto", "saved", "recompute"]
 
 QK_DTYPES = ("int8", "int4")
 GRANULARITIES = ("per_block", "per_warp", "per_thread", "per_token")
 PV_DTYPES = ("fp8_e4m3", "fp16", "bf16")
 PV_ACCUMULATIONS = ("fp32+fp32", "fp32")
+BACKWARD_STATS = ("auto", "saved", "recompute")
 
 # Rows of a Q block that share a per-thread scale are those with the same
 # index mod THREAD_ROW_GROUPS inside a warp's rows (SageAttention2, A.6).
@@ -61,6 +63,21 @@ class SageConfig:
     block_q: rows of a Q block (quantization groups, kernel tile).
     block_k: rows of a K block (quantization groups, accumulation block).
     num_warps: warps that share a Q block (per-warp and per-thread groups).
+    backward_stats: where a kernel backward (``jax.grad``) takes the softmax
+      statistics from. ``"recompute"``: exact LSE and δ = rowsum(dO ∘ O)
+      from a 16-bit forward pass run by the backward (the cost of one more
+      forward). ``"saved"``: the quantized forward's own output and LSE, as
+      FlashAttention does: no extra pass, but the forward's error enters δ.
+      ``"auto"`` (default): ``"saved"`` where that was measured to keep the
+      gradients at cos ≥ 0.999 of exact ones on normal and channel-outlier
+      data (INT8 Q·Kᵀ with 16-bit P·V, or FP8 P·V with ``smooth_v``), else
+      ``"recompute"`` (benchmarks/NOTES.md). The ``"xla"`` backward always
+      recomputes exactly.
+    backward_int8: SageBwd's 8-bit backward (SageAttention3, arXiv
+      2505.11594): the kernel backward's Q·Kᵀ recomputation and its Pᵀ·dO,
+      dSᵀ·Q and dS·K products in INT8 with per-block scales (Q, K smoothed,
+      dO per block of rows; P and dS per tile), dO·Vᵀ in 16 bits. Off by
+      default; its gradient error is measured in benchmarks/NOTES.md.
   """
 
   qk_dtype: QKDtype = "int8"
@@ -73,6 +90,8 @@ class SageConfig:
   block_q: int = 128
   block_k: int = 64
   num_warps: int = 4
+  backward_stats: BackwardStats = "auto"
+  backward_int8: bool = False
 
   def __post_init__(self):
     def check(field, value, allowed):
@@ -84,7 +103,8 @@ class SageConfig:
     check("qk_granularity", self.qk_granularity, GRANULARITIES)
     check("pv_dtype", self.pv_dtype, PV_DTYPES)
     check("pv_accumulation", self.pv_accumulation, PV_ACCUMULATIONS)
-    for field in ("smooth_k", "smooth_q", "smooth_v"):
+    check("backward_stats", self.backward_stats, BACKWARD_STATS)
+    for field in ("smooth_k", "smooth_q", "smooth_v", "backward_int8"):
       if not isinstance(getattr(self, field), bool):
         raise ValueError(
             f"SageConfig.{field} must be True or False, got "
@@ -113,6 +133,15 @@ class SageConfig:
   def qmax(self) -> int:
     """Largest magnitude of the symmetric integer grid (127 or 7)."""
     return 127 if self.qk_dtype == "int8" else 7
+
+  @property
+  def saved_stats(self) -> bool:
+    """Whether a kernel backward uses the forward's output and LSE
+    (``backward_stats`` with ``"auto"`` resolved)."""
+    if self.backward_stats != "auto":
+      return self.backward_stats == "saved"
+    return self.qk_dtype == "int8" and (self.pv_dtype != "fp8_e4m3"
+                                        or self.smooth_v)
 
   @property
   def rows_per_warp(self) -> int:

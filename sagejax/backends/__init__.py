@@ -12,6 +12,12 @@ natural-log LSE, f32 ``[B, N, T]``. It does its own quantization, mirroring
 ``prepare(call, config)`` returns a pytree of quantized inputs and
 ``kernel(prepared, call, config)`` the same ``(output, lse)`` as ``forward``;
 ``kernel`` reads only static fields, shapes, masks and lengths of ``call``.
+
+A backend may also run the backward (``jax.grad``): ``backward_unsupported(
+call, config)`` (None, or why not) and ``backward(call, config, d_out, d_lse,
+saved)``, see :class:`BackwardBackend`. The custom VJP uses the backward of
+the backend that ran the forward when it has one and it serves the call, and
+the exact FP32 ``"xla"`` backward (:mod:`sagejax._vjp`) otherwise.
 """
 
 from __future__ import annotations
@@ -40,6 +46,46 @@ class Backend(Protocol):
 
   def forward(self, call: ParsedCall, config: SageConfig
               ) -> tuple[jax.Array, jax.Array]: ...
+
+
+class BackwardBackend(Backend, Protocol):
+  """A backend with its own backward (gradients of exact attention).
+
+  ``backward(call, config, d_out, d_lse, saved)``:
+
+  * ``call``: the forward's checked call (Q/K/V 4-D in ``call.layout``,
+    mask, bias, lengths, ``spec``, ``sm_scale``).
+  * ``d_out``: the output's cotangent, ``call.layout``, Q's dtype.
+  * ``d_lse``: the LSE's cotangent, f32 ``[B, N, T]`` (zeros when unused).
+  * ``saved``: ``(output in call.layout, natural-log LSE f32 [B, N, T])`` of
+    this backend's forward when ``config.saved_stats`` (take δ = rowsum(dO ∘ O)
+    and the softmax statistics from them), else None (recompute them
+    exactly).
+
+  Returns ``(dq, dk, dv, dbias)``: dq, dk, dv in ``call.layout`` and the
+  inputs' dtypes, dbias in the bias's own shape and dtype (None without a
+  bias).
+  """
+
+  def backward_unsupported(self, call: ParsedCall, config: SageConfig
+                           ) -> Optional[str]: ...
+
+  def backward(self, call: ParsedCall, config: SageConfig, d_out: jax.Array,
+               d_lse: jax.Array,
+               saved: Optional[tuple[jax.Array, jax.Array]],
+               ) -> tuple[jax.Array, jax.Array, jax.Array,
+                          Optional[jax.Array]]: ...
+
+
+def backward_of(name: str, call: ParsedCall, config: SageConfig
+                ) -> Optional[BackwardBackend]:
+  """The backend ``name`` if it has a backward that serves ``call``."""
+  backend = registry()[name]
+  if not callable(getattr(backend, "backward", None)):
+    return None
+  if backend.backward_unsupported(call, config) is not None:
+    return None
+  return backend
 
 
 @functools.cache

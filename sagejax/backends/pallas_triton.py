@@ -11,6 +11,7 @@ caller's layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -19,9 +20,10 @@ import jax.numpy as jnp
 from sagejax import quant
 from sagejax._inputs import ParsedCall, to_canonical
 from sagejax.config import SageConfig
-from sagejax.kernels import triton_attention, triton_quantize
+from sagejax.kernels import triton_attention, triton_backward, triton_quantize
 from sagejax.kernels._common import next_pow2
 from sagejax.kernels.triton_attention import KernelTiling
+from sagejax.kernels.triton_backward import BackwardTiling
 
 
 def default_tiling(head_dim: int, config: SageConfig) -> KernelTiling:
@@ -33,12 +35,40 @@ def default_tiling(head_dim: int, config: SageConfig) -> KernelTiling:
   return KernelTiling(block_q=64, block_k=32, num_warps=4, num_stages=2)
 
 
-def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+def default_backward_tiling(head_dim: int, int8: bool = False
+                            ) -> BackwardTiling:
+  """Backward kernel tiles by head dim (benchmarks/train_check.py sweeps)."""
+  del int8  # same tiles (INT8 dots need tiles >= 32, which these are)
+  if head_dim <= 64:
+    return BackwardTiling(block_q=64, block_k=128, block_q_dq=128,
+                          block_k_dq=64, num_warps=4, num_stages=3,
+                          num_warps_dq=4, num_stages_dq=3)
+  if head_dim <= 128:
+    return BackwardTiling(block_q=64, block_k=128, block_q_dq=128,
+                          block_k_dq=64, num_warps=8, num_stages=2,
+                          num_warps_dq=8, num_stages_dq=2)
+  return BackwardTiling(block_q=32, block_k=64, block_q_dq=64, block_k_dq=32,
+                        num_warps=4, num_stages=1, num_warps_dq=4,
+                        num_stages_dq=1)
+
+
+def _fit_tiling(tiling: BackwardTiling, t: int, s: int, floor: int
+                ) -> BackwardTiling:
+  """Tiles no larger than the (power-of-two) lengths need, at least ``floor``."""
+  tq, tk = max(floor, next_pow2(t)), max(floor, next_pow2(s))
+  return dataclasses.replace(
+      tiling, block_q=max(floor, min(tiling.block_q, tq)),
+      block_k=max(floor, min(tiling.block_k, tk)),
+      block_q_dq=max(floor, min(tiling.block_q_dq, tq)),
+      block_k_dq=max(floor, min(tiling.block_k_dq, tk)))
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
   if x.shape[axis] == size:
     return x
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
+  return jnp.pad(x, widths, constant_values=value)
 
 
 def _pairwise(x: Optional[jax.Array], t_pad: int, s_pad: int, dtype
@@ -241,6 +271,92 @@ class _PallasTritonBackend:
   def forward(self, call: ParsedCall, config: SageConfig
               ) -> tuple[jax.Array, jax.Array]:
     return self.kernel(self.prepare(call, config), call, config)
+
+  def backward_unsupported(self, call: ParsedCall, config: SageConfig
+                           ) -> Optional[str]:
+    del call, config  # every call the forward serves
+    return None
+
+  def backward(self, call: ParsedCall, config: SageConfig, d_out: jax.Array,
+               d_lse: Optional[jax.Array],
+               saved: Optional[tuple[jax.Array, jax.Array]],
+               tiling: Optional[BackwardTiling] = None):
+    """Gradients of exact attention by the backward kernels
+    (:mod:`sagejax.kernels.triton_backward`); see
+    :class:`sagejax.backends.BackwardBackend`."""
+    b, n, t, h, kh, s = call.dims
+    hp = max(32, next_pow2(h))
+    int8 = config.backward_int8
+    tiling = _fit_tiling(tiling or default_backward_tiling(hp, int8), t, s,
+                         32 if int8 else 16)
+    bq = max(tiling.block_q, tiling.block_q_dq)
+    bk = max(tiling.block_k, tiling.block_k_dq)
+    t_pad, s_pad = -(-t // bq) * bq, -(-s // bk) * bk
+    layout = call.layout
+    t_ax = 1 if layout == "BTNH" else 2
+
+    def pad(x, size):
+      return _pad_axis(_pad_axis(x, 3, hp), t_ax, size)
+
+    q_lengths = quant.valid_lengths(call.q_lengths, b, t)
+    kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
+    # K smoothed (K − k̄) in its dtype; lse₂ of the smoothed logits.
+    k_mean = quant.token_mean(to_canonical(call.k, layout), kv_lengths)
+    shift = quant.lse_shift(
+        quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
+        k_mean, call.sm_scale)
+    k_mean = _pad_axis(k_mean, 2, hp)
+    k_bcast = k_mean[:, None] if layout == "BTNH" else k_mean[:, :, None]
+    k = pad(call.k, s_pad)
+    kc = (k.astype(jnp.float32) - k_bcast).astype(k.dtype)
+    q, v, do = pad(call.q, t_pad), pad(call.v, s_pad), pad(d_out, t_pad)
+    vec = lambda x, value=0.0: _pad_axis(x.astype(jnp.float32), 2, t_pad,
+                                          value)
+    out = lse = None
+    if saved is not None:
+      out, lse = pad(saved[0].astype(q.dtype), t_pad), vec(saved[1], -jnp.inf)
+    int8_ops = None
+    if int8:
+      int8_ops = self._int8_operands(q, k, do, k_mean, q_lengths, kv_lengths,
+                                     layout, tiling)
+    dbias_shape = None
+    if call.bias is not None:
+      bb, bn, bt, bs = call.bias.shape
+      dbias_shape = (bb, bn, t_pad if bt > 1 else 1, s_pad if bs > 1 else 1)
+    dq, dk, dv, dbias = triton_backward.attention_backward(
+        q, kc, v, do, k_mean=k_mean, lse_shift=vec(shift),
+        q_lengths=q_lengths, kv_lengths=kv_lengths, spec=call.spec,
+        sm_scale=call.sm_scale, layout=layout, out=out, lse=lse,
+        d_lse=None if d_lse is None else vec(d_lse),
+        mask=_pairwise(call.mask, t_pad, s_pad, jnp.int8),
+        bias=_pairwise(call.bias, t_pad, s_pad, None),
+        dbias_shape=dbias_shape, int8=int8_ops, tiling=tiling,
+        interpret=self.interpret)
+    if layout == "BTNH":
+      dq, dk, dv = dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
+    else:
+      dq, dk, dv = dq[:, :, :t, :h], dk[:, :, :s, :h], dv[:, :, :s, :h]
+    if dbias is not None:
+      bt, bs = call.bias.shape[2:]
+      dbias = dbias[:, :, :bt, :bs].astype(call.bias.dtype)
+    return dq, dk.astype(call.k.dtype), dv, dbias
+
+  def _int8_operands(self, q, k, do, k_mean, q_lengths, kv_lengths, layout,
+                     tiling: BackwardTiling) -> triton_backward.Int8Operands:
+    """SageBwd's INT8 Q, smoothed K and dO, per block of the tile that
+    contracts each (Q, dO: the dK/dV kernel's query tile; K: the tile of dS·K)."""
+    block_k = tiling.block_k if tiling.dq_atomic else tiling.block_k_dq
+    per_block = SageConfig(qk_granularity="per_block", block_q=tiling.block_q,
+                           block_k=block_k, num_warps=1, pv_dtype="fp16",
+                           pv_accumulation="fp32")
+    quantize = functools.partial(triton_quantize.quantize_qk,
+                                 config=per_block, layout=layout,
+                                 interpret=self.interpret)
+    q8, qs, _ = quantize(q, q_lengths, None, role="q")
+    k8, ks, _ = quantize(k, kv_lengths, k_mean, role="k")
+    do8, dos, _ = quantize(do, q_lengths, None, role="q")
+    return triton_backward.Int8Operands(q=q8, q_scale=qs, k=k8, k_scale=ks,
+                                        do=do8, do_scale=dos)
 
 
 BACKEND = _PallasTritonBackend()
