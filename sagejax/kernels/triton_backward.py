@@ -361,8 +361,9 @@ def _dkdv_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_ref,
         part = _dot(ds.astype(k.dtype), k) * sm_scale
       plgpu.atomic_add(dq_ref, _rows_index(layout, g, r, block_q), part)
     if dbias_ref is not None:
-      _add_dbias(dbias_ref, ds, b if dbias_batch else 0,
-                 kh * groups + g if dbias_heads else 0, r, k_first)
+      zero = jnp.int32(0)  # (a Python 0 is no array index for atomics)
+      _add_dbias(dbias_ref, ds, b if dbias_batch else zero,
+                 kh * groups + g if dbias_heads else zero, r, k_first)
     return dk, dv
 
   def head(g, carry):

@@ -1,0 +1,357 @@
+"""The kernel backward (sagejax.kernels.triton_backward) and its dispatch.
+
+On CPU the backward kernels run in the Pallas interpreter on small shapes
+against ``jax.grad`` of :func:`sagejax.exact_attention` and against the
+``"xla"`` backward (:mod:`sagejax._vjp`), and are lowered for CUDA. FP32
+inputs make the kernels' products exact FP32, so with recomputed statistics
+they must match to ~1e-6; the saved-statistics and INT8 paths are checked
+against their own oracles and for their measured accuracy. Tests marked
+``gpu`` run the compiled kernels (outputs poisoned with NaN first).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sagejax
+from sagejax import PRESETS, _inputs, _vjp, backends, testing
+from sagejax.backends import pallas_triton, xla
+from sagejax.kernels.triton_backward import BackwardTiling
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+
+# Small tiles keep the interpreter fast; the math is the same at any size.
+TILING = BackwardTiling(block_q=16, block_k=32, block_q_dq=32, block_k_dq=16,
+                        num_warps=4, num_stages=1, num_warps_dq=4,
+                        num_stages_dq=1)
+RECOMPUTE = PRESETS["sage2-8b"].replace(backward_stats="recompute")
+INTERPRET = pallas_triton.INTERPRET_BACKEND
+
+
+def _exact_grads(q, k, v, bias, do, u, kw):
+  """jax.grad of exact attention (FP32) w.r.t. q, k, v (and bias)."""
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+
+  def loss(q, k, v, bias):
+    out, lse = sagejax.exact_attention(q, k, v, bias, return_lse=True, **kw)
+    return (jnp.sum(out * f32(do))
+            + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u))
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+  return jax.jit(jax.grad(loss, argnums))(f32(q), f32(k), f32(v), bias)
+
+
+def _kernel_grads(call, config, do, u, tiling=TILING, backend=INTERPRET):
+  """The backend's backward as the custom VJP runs it (after its forward
+  when the statistics are saved); returns (grads, saved or None)."""
+  saved = None
+  if config.saved_stats:
+    out, lse = backend.forward(call, config)
+    saved = (out.astype(call.q.dtype), lse)
+  return backend.backward(call, config, do, u, saved, tiling=tiling), saved
+
+
+def _rel(got, want):
+  return testing.error_metrics(got, want)["rel_l2"]
+
+
+def _draw(key, b, t, s, n, kw):
+  """Lengths, mask and bias requested by a case, drawn at random."""
+  kw = dict(kw)
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  if kw.pop("q_lengths", False):
+    kw["query_seq_lengths"] = jax.random.randint(k1, (b,), 1, t + 1)
+  if kw.pop("kv_lengths", False):
+    kw["key_value_seq_lengths"] = jax.random.randint(k2, (b,), 1, s + 1)
+  mask = bias = None
+  if "mask" in kw:
+    mask = jax.random.bernoulli(k3, 0.7, kw.pop("mask"))
+  if "bias" in kw:
+    bias = 2.0 * jax.random.normal(k4, kw.pop("bias"))
+  return mask, bias, kw
+
+
+# (name, (B, T, S, N, K, H), layout, kwargs)
+CASES = [
+    ("plain_t17_gqa", (2, 17, 17, 4, 2, 32), "BTNH", {}),
+    ("causal_t1000", (1, 1000, 1000, 1, 1, 16), "BTNH", {"is_causal": True}),
+    ("bottom_right_lengths_mqa", (2, 50, 130, 3, 1, 48), "BNTH",
+     {"is_causal": True, "causal_alignment": "bottom_right",
+      "q_lengths": True, "kv_lengths": True}),
+    ("window_mask_row_bias", (2, 64, 100, 4, 2, 16), "BTNH",
+     {"local_window_size": (20, 5), "mask": (2, 1, 64, 100),
+      "bias": (1, 1, 64, 1)}),
+    ("decode_t1_key_bias", (2, 1, 257, 4, 2, 64), "BNTH",
+     {"is_causal": True, "causal_alignment": "bottom_right",
+      "bias": (1, 4, 1, 257), "kv_lengths": True}),
+    ("full_bias_causal", (2, 30, 50, 4, 2, 32), "BTNH",
+     {"is_causal": True, "bias": (2, 4, 30, 50)}),
+]
+
+
+@pytest.mark.parametrize("name,shape,layout,kw", CASES,
+                         ids=[c[0] for c in CASES])
+def test_kernel_backward_matches_exact(name, shape, layout, kw, qkv,
+                                       next_key):
+  """Recomputed statistics: dQ, dK, dV (and dbias) = jax.grad of exact
+  attention and = the "xla" backward, on channel-biased FP32 data."""
+  b, t, s, n, kh, h = shape
+  q, k, v = qkv(b, t, s, n, kh, h, kind="qkv_channel_bias",
+                dtype=jnp.float32, layout=layout)
+  mask, bias, kw = _draw(next_key(), b, t, s, n, kw)
+  do = jax.random.normal(next_key(), q.shape)
+  u = jax.random.normal(next_key(), (b, n, t))
+  arrays = {a: kw.pop(a) for a in ("query_seq_lengths",
+                                    "key_value_seq_lengths") if a in kw}
+  parse = lambda q, k, v, bias, mask, arrays: _inputs.parse(  # noqa: E731
+      q, k, v, bias, mask, layout=layout, **kw, **arrays)
+  call = parse(q, k, v, bias, mask, arrays)
+  got = jax.jit(lambda *a: _kernel_grads(parse(*a[:6]), RECOMPUTE, *a[6:])[
+      0])(q, k, v, bias, mask, arrays, do, u)
+  kw.update(mask=mask, layout=layout, **arrays)
+  want = list(_exact_grads(q, k, v, bias, do, u, kw)) + [None]
+  if bias is not None or mask is not None:  # and the "xla" backward
+    canon = functools.partial(_inputs.to_canonical, layout=layout)
+    oracle = _vjp.attention_backward(
+        canon(q), canon(k), canon(v), call.bias, call.mask, call.q_lengths,
+        call.kv_lengths, canon(do), u, call.spec, call.sm_scale)
+    for g, o in zip(got, [_inputs.from_canonical(x, layout)
+                          for x in oracle[:3]] + [oracle[3]]):
+      assert o is None or _rel(g, o) < 1e-5, _rel(g, o)
+  for i, (g, w) in enumerate(zip(got, want)):
+    if w is None:
+      assert g is None
+      continue
+    assert g.shape == w.shape and g.dtype == w.dtype, (i, g.shape, w.shape)
+    assert np.all(np.isfinite(g))
+    # Measured ~1e-7 (the FP32 sums run in another order).
+    assert _rel(g, w) < 1e-5, (i, _rel(g, w))
+  if "query_seq_lengths" in kw:  # padded query rows get no gradient
+    rows = jnp.arange(t) >= kw["query_seq_lengths"][:, None]
+    rows = rows[:, :, None, None] if layout == "BTNH" else rows[:, None, :,
+                                                                 None]
+    np.testing.assert_array_equal(jnp.where(rows, got[0], 0), 0)
+
+
+def test_dq_by_atomics_matches_dq_kernel(qkv, next_key):
+  """dQ accumulated by the dK/dV kernel with FP32 atomics = the dQ kernel."""
+  q, k, v = qkv(2, 70, 90, 4, 2, 32, kind="channel_bias", dtype=jnp.float32)
+  do = jax.random.normal(next_key(), q.shape)
+  u = jax.random.normal(next_key(), (2, 4, 70))
+  call = _inputs.parse(q, k, v, is_causal=True,
+                       key_value_seq_lengths=jnp.array([90, 41]))
+  got, _ = _kernel_grads(call, RECOMPUTE, do, u,
+                         dataclasses.replace(TILING, dq_atomic=True))
+  want, _ = _kernel_grads(call, RECOMPUTE, do, u)
+  for g, w in zip(got[:3], want[:3]):
+    assert _rel(g, w) < 1e-6
+
+
+class _XlaForward(pallas_triton._PallasTritonBackend):
+  """The kernel backward behind the "xla" forward (the same arithmetic as
+  the kernels' forward, tested in test_pallas.py, and fast on CPU)."""
+
+  def forward(self, call, config):
+    return xla.BACKEND.forward(call, config)
+
+
+FAST = _XlaForward(interpret=True)
+
+
+def test_saved_statistics(qkv, next_key):
+  """Saved output and LSE: = the "xla" backward given the same statistics
+  (its oracle); vs exact the forward's error enters through δ (16-bit P·V
+  here; sage2-8b's FP8 P·V is why "auto" recomputes for it: NOTES.md)."""
+  config = PRESETS["sage1"]  # "auto" → saved
+  assert config.saved_stats and not PRESETS["sage2-8b"].saved_stats
+  grads = jax.jit(lambda q, k, v, do, u: _kernel_grads(
+      _inputs.parse(q, k, v, is_causal=True), config, do, u, backend=FAST))
+  for kind in ("normal", "channel_bias"):
+    q, k, v = qkv(1, 96, 128, 4, 2, 64, kind=kind, dtype=jnp.bfloat16)
+    do = jax.random.normal(next_key(), q.shape).astype(q.dtype)
+    u = jax.random.normal(next_key(), (1, 4, 96))
+    got, (out, lse) = grads(q, k, v, do, u)
+    canon = lambda x: jnp.swapaxes(x, 1, 2).astype(jnp.float32)  # noqa: E731
+    oracle = _vjp.attention_backward(
+        canon(q), canon(k), canon(v), None, None, None, None, canon(do), u,
+        _inputs.parse(q, k, v, is_causal=True).spec, 0.125,
+        saved=(canon(out), lse))
+    want = _exact_grads(q, k, v, None, do, u, {"is_causal": True})
+    for g, o, w in zip(got[:3], oracle[:3], want):
+      g = canon(g)
+      # bf16 products in the kernel vs FP32 in the oracle: measured <= 3e-3.
+      assert _rel(g, o) < 1e-2, _rel(g, o)
+      assert testing.error_metrics(g, canon(w))["cos_sim"] > 0.999
+
+
+def test_int8_backward_accuracy(qkv, next_key):
+  """SageBwd's INT8 backward: within its measured error of exact."""
+  config = RECOMPUTE.replace(backward_int8=True)
+  tiling = dataclasses.replace(TILING, block_q=32, block_k_dq=32)
+  grads = jax.jit(lambda q, k, v, do: _kernel_grads(
+      _inputs.parse(q, k, v, is_causal=True), config, do,
+      jnp.zeros((1, 2, 128)), tiling)[0])
+  for kind in ("normal", "channel_bias"):
+    q, k, v = qkv(1, 128, 128, 2, 1, 64, kind=kind, dtype=jnp.bfloat16)
+    do = jax.random.normal(next_key(), q.shape).astype(q.dtype)
+    got = grads(q, k, v, do)
+    want = _exact_grads(q, k, v, None, do, jnp.zeros((1, 2, 128)),
+                        {"is_causal": True})
+    for g, w in zip(got[:3], want):
+      cos = testing.error_metrics(g, w)["cos_sim"]
+      assert cos > 0.999, (kind, cos)
+
+
+def test_custom_vjp_uses_the_kernel_backward(qkv, next_key, monkeypatch):
+  """sagejax.attention under jax.grad runs the forward backend's backward
+  (here the interpreted kernels standing in for "pallas"), saving the
+  forward's statistics only when the config says so; a backend that does
+  not serve the call falls back to the "xla" backward."""
+  monkeypatch.setitem(backends.registry(), "pallas", FAST)
+  calls = []
+  real = pallas_triton._PallasTritonBackend.backward
+
+  def spy(self, call, config, d_out, d_lse, saved, tiling=None):
+    calls.append(saved is not None)
+    return real(self, call, config, d_out, d_lse, saved, tiling or TILING)
+  monkeypatch.setattr(pallas_triton._PallasTritonBackend, "backward", spy)
+  q, k, v = qkv(1, 40, 60, 4, 2, 32, kind="channel_bias", dtype=jnp.float32)
+  w = jax.random.normal(next_key(), q.shape)
+
+  def grads(fn):
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+        fn(q, k, v, is_causal=True) * w), (0, 1, 2)))(q, k, v)
+  want = grads(sagejax.exact_attention)
+  for config, saved in ((RECOMPUTE, False), ("sage1", True)):
+    got = grads(functools.partial(sagejax.attention, config=config,
+                                  implementation="pallas"))
+    assert calls.pop() is saved
+    for g, r in zip(got, want):
+      assert testing.error_metrics(g, r)["cos_sim"] > 0.9999
+  monkeypatch.setattr(pallas_triton._PallasTritonBackend,
+                      "backward_unsupported", lambda *a: "not today")
+  got = grads(functools.partial(sagejax.attention, config=RECOMPUTE,
+                                implementation="pallas"))
+  assert not calls
+  for g, r in zip(got, want):  # the "xla" backward (test_grad.py's bound)
+    assert _rel(g, r) < 1e-4
+
+
+LOWER_CASES = [
+    # layout, H, causal, mask/bias, config, atomic dQ
+    ("BTNH", 128, True, False, RECOMPUTE, False),
+    ("BNTH", 64, False, True, PRESETS["sage1"], False),
+    ("BTNH", 256, True, True, RECOMPUTE, True),
+    ("BTNH", 96, True, False, RECOMPUTE.replace(backward_int8=True), False),
+    ("BNTH", 128, False, True, RECOMPUTE.replace(backward_int8=True), True),
+]
+
+
+@pytest.mark.parametrize("layout,h,causal,masked,config,atomic", LOWER_CASES)
+def test_backward_lowers_for_cuda(layout, h, causal, masked, config, atomic):
+  """Every backward kernel variant lowers through Pallas's Triton path."""
+  q, k, v = testing.make_qkv(jax.random.key(0), 2, 200, 150, 4, 2, h,
+                             dtype=jnp.bfloat16, layout=layout)
+  mask = jnp.ones((2, 1, 200, 150), bool) if masked else None
+  bias = jnp.zeros((1, 4, 1, 150)) if masked else None
+  tiling = dataclasses.replace(pallas_triton.default_backward_tiling(h),
+                               dq_atomic=atomic)
+
+  def f(q, k, v, do):
+    call = _inputs.parse(q, k, v, bias, mask, is_causal=causal, layout=layout,
+                         key_value_seq_lengths=jnp.array([150, 99]))
+    saved = None
+    if config.saved_stats:
+      saved = (do, jnp.zeros((2, 4, 200)))
+    return pallas_triton.BACKEND.backward(call, config, do,
+                                          jnp.zeros((2, 4, 200)), saved,
+                                          tiling=tiling)
+
+  text = jax.jit(f).trace(q, k, v, q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "sage_attention_bwd_dkdv" in text
+  assert ("sage_attention_bwd_dq" in text) != atomic
+  stats = ("sage_attention_bwd_delta" if config.saved_stats
+           else "sage_attention_bwd_stats")
+  assert stats in text
+
+
+# --------------------------------------------------------------------------
+# GPU: compiled kernels.
+# --------------------------------------------------------------------------
+
+
+def _poison(nbytes: int = 2 ** 30):
+  """Fills freed device memory with NaN, so that output elements a kernel
+  forgets to write show up as NaN (XLA reuses freed buffers)."""
+  x = jnp.full((nbytes // 4,), jnp.nan, jnp.float32)
+  x.block_until_ready()
+  del x
+
+
+GPU_CASES = [
+    # preset, causal, alignment, (B, T, S, N, K, H), lengths, kwargs
+    ("sage2-8b", False, "top_left", (1, 8192, 8192, 4, 4, 128), False, {}),
+    ("sage2-8b", True, "top_left", (2, 4096, 4096, 8, 2, 128), False, {}),
+    ("sage2-8b", True, "bottom_right", (1, 1000, 3000, 8, 1, 64), True, {}),
+    ("sage1", True, "top_left", (1, 2048, 2048, 4, 2, 64), False, {}),
+    ("sage2-8b", False, "top_left", (1, 777, 1023, 4, 4, 256), True, {}),
+    ("sage2-8b", True, "top_left", (1, 1000, 1000, 4, 2, 96), False,
+     {"local_window_size": (256, 0)}),
+    ("sage2-4b", True, "top_left", (1, 2048, 2048, 4, 4, 128), False,
+     {"dq_atomic": True}),
+    ("sage2-8b", True, "top_left", (1, 2048, 2048, 4, 2, 128), False,
+     {"backward_int8": True}),
+]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("preset,causal,align,shape,lengths,extra", GPU_CASES)
+@pytest.mark.parametrize("kind", ["normal", "qkv_channel_bias"])
+def test_gpu_backward_matches_exact(preset, causal, align, shape, lengths,
+                                    extra, kind):
+  """Compiled backward kernels vs exact gradients (cos) and the "xla"
+  backward, bf16 inputs, outputs poisoned."""
+  b, t, s, n, kh, h = shape
+  q, k, v = testing.make_qkv(jax.random.key(t + s + h), b, t, s, n, kh, h,
+                             kind, jnp.bfloat16)
+  do = jax.random.normal(jax.random.key(1), q.shape).astype(q.dtype)
+  extra = dict(extra)
+  tiling = None
+  if extra.pop("dq_atomic", False):
+    tiling = dataclasses.replace(pallas_triton.default_backward_tiling(h),
+                                 dq_atomic=True)
+  config = PRESETS[preset].replace(**extra)
+  kw = dict(is_causal=causal, causal_alignment=align,
+            local_window_size=extra.pop("local_window_size", None))
+  kw.update({k_: v_ for k_, v_ in extra.items()})
+  if lengths:
+    kw["query_seq_lengths"] = jnp.full((b,), max(1, t - 5), jnp.int32)
+    kw["key_value_seq_lengths"] = jnp.full((b,), max(1, s - 7), jnp.int32)
+
+  @jax.jit
+  def kernel_grads(q, k, v, do):
+    call = _inputs.parse(q, k, v, **kw)
+    out, lse = pallas_triton.BACKEND.forward(call, config)
+    saved = (out.astype(q.dtype), lse) if config.saved_stats else None
+    return pallas_triton.BACKEND.backward(
+        call, config, do, jnp.zeros(lse.shape), saved, tiling=tiling)[:3]
+
+  _poison()
+  got = kernel_grads(q, k, v, do)
+  want = jax.jit(lambda q, k, v, do: jax.grad(
+      lambda q, k, v: jnp.sum(sagejax.attention(
+          q, k, v, implementation="xla", config=RECOMPUTE, **kw).astype(
+              jnp.float32) * do.astype(jnp.float32)), (0, 1, 2))(q, k, v))(
+                  q, k, v, do)
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    assert np.all(np.isfinite(np.asarray(g, np.float32)))
+    cos = testing.error_metrics(g, w)["cos_sim"]
+    assert cos > (0.995 if config.backward_int8 else 0.999), cos
