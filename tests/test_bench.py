@@ -58,6 +58,11 @@ def test_json_report(run):
     assert r["cos_sim"] > 0.99 and 0 <= r["rel_l1"] < 0.1 and r["rmse"] >= 0
   mem = rep["results"]["memory"]
   assert mem and all(r["total_bytes"] > 0 for r in mem)
+  train = rep["results"]["train"]
+  assert {r["method"] for r in train} == {"sage2-8b:xla", "jax-xla"}
+  for r in train:
+    assert r["status"] == "ok" and r["mode"] == "train", r
+    assert r["tops"] > 0 and r["dtype"] == "bf16"
   # GPU-only baselines are skipped with one line, not an error.
   assert all("\n" not in n for n in rep["notes"])
 
@@ -67,10 +72,12 @@ def test_markdown_and_plots(run):
   md = (out / "results.md").read_text()
   for heading in ("## Speed (TOPS)", "## Accuracy vs exact attention",
                   "## Memory at S=256", "| H | S | causal |",
+                  "## Training step, forward + backward (TFLOPS)",
+                  "(train.png)",
                   "| method | data | causal | cos sim | relative L1 | RMSE |",
                   "(speed.png)", "(accuracy.png)"):
     assert heading in md
-  for name in ("speed.png", "accuracy.png"):
+  for name in ("speed.png", "accuracy.png", "train.png"):
     data = (out / name).read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000
 

@@ -1,7 +1,7 @@
 """``sagejax-bench``: does sagejax pay off on this machine?
 
-Subcommands ``speed``, ``accuracy``, ``memory`` and ``all`` (the default);
-see ``sagejax-bench --help``.
+Subcommands ``speed``, ``accuracy``, ``memory``, ``train`` (forward +
+backward) and ``all`` (the default); see ``sagejax-bench --help``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from sagejax.bench import (accuracy, env, memory, methods, progress, report,
-                           settings as st, speed)
+                           settings as st, speed, train)
 from sagejax.config import GRANULARITIES, PRESETS
 from sagejax.testing import DATA_KINDS
 
@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="only causal (--causal) or only not (--no-causal); "
                  "default both")
   p.add_argument("--dtype", choices=("float16", "bfloat16"),
-                 default="float16", help="sagejax input dtype (default "
-                 "float16; jax.nn, cuDNN and tokamax run in bfloat16)")
+                 help="sagejax input dtype (default float16, bfloat16 for "
+                 "train; jax.nn, cuDNN and tokamax run in bfloat16)")
   p.add_argument("--memory-seq", metavar="S",
                  help="memory: the long sequence length (default 16k on GPU)")
   p.add_argument("--repeats", type=int, help="timing repeats (median)")
@@ -220,6 +220,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser
                  "--quick shapes; pass --seq/--head-dim/--batch/--heads for "
                  "others.")
   sp = st.SPEED_QUICK if small else st.SPEED_FULL
+  tr = st.TRAIN_QUICK if small else st.TRAIN_FULL
   ac = st.ACCURACY_QUICK if args.quick else st.ACCURACY_FULL
 
   def pick(defaults, seqs_, hds_):
@@ -229,6 +230,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser
                 head_dims=hds_ or defaults["head_dims"], causal=causal)
 
   speed_shapes = st.grid(**pick(sp, seqs, head_dims))
+  train_shapes = st.grid(**pick(tr, seqs, head_dims))
   for s in (speed_shapes[0], st.grid(**pick(ac, seqs, head_dims))[0]):
     if s.heads % s.kv_heads:
       parser.error(f"--heads {s.heads} must be a multiple of --kv-heads "
@@ -249,6 +251,9 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser
   if "memory" in commands:
     _check_memory(parser, limit, memory_shape.qkv_bytes(2), "memory",
                   memory_shape)
+  if "train" in commands:  # inputs, cotangent and three gradients
+    big = max(train_shapes, key=lambda s: s.qkv_bytes())
+    _check_memory(parser, limit, 2 * big.qkv_bytes(2), "train", big)
   if "accuracy" in commands:
     big = max(accuracy_shapes, key=lambda s: s.batch * s.heads * s.seq ** 2)
     scores = 3 * 4 * big.batch * big.heads * big.seq * big.seq
@@ -262,7 +267,9 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser
       commands=tuple(commands), quick=args.quick, out=args.out, backends=sage,
       baselines=baselines, speed_presets=speed_presets,
       accuracy_presets=accuracy_presets, granularities=granularities,
-      data_kinds=data_kinds, dtype=jnp.dtype(args.dtype).type, causal=causal,
+      data_kinds=data_kinds, dtype=jnp.dtype(args.dtype or "float16").type,
+      causal=causal, train_shapes=train_shapes,
+      train_dtype=jnp.dtype(args.dtype or "bfloat16").type,
       speed_shapes=speed_shapes, accuracy_shapes=accuracy_shapes,
       memory_shape=memory_shape, timing=timing, kernel_only=args.kernel_only,
       plots=args.plots, progress=args.progress,
@@ -284,6 +291,9 @@ def run(settings: st.Settings, notes: list[str], argv: Sequence[str]
       settings.kernel_only)
   base, base_notes = methods.baseline_methods(settings.baselines)
   notes += sage_notes + base_notes
+  if methods.INTERPRET in settings.backends and "train" in settings.commands:
+    notes.append(f"train: {methods.INTERPRET} is not timed (sagejax-bench "
+                 "calls the interpreted kernels outside the custom VJP).")
   if methods.INTERPRET in settings.backends:
     notes.append(f"{methods.INTERPRET} runs the Pallas kernels under the "
                  "interpreter (through XLA): a check that they run and agree, "
@@ -299,6 +309,11 @@ def run(settings: st.Settings, notes: list[str], argv: Sequence[str]
     tasks += accuracy.tasks(settings, available)
   if "memory" in settings.commands:
     tasks += memory.tasks(settings, sage + base)
+  if "train" in settings.commands:
+    train_sage, _ = methods.sage_methods(
+        [b for b in settings.backends if b != methods.INTERPRET],
+        settings.speed_presets, settings.train_dtype, kernel_only=False)
+    tasks += train.tasks(settings, train_sage + base)
   results, seconds = progress.run_tasks(tasks, settings.progress)
   meta["seconds"] = seconds
   row_notes = report.row_notes(results)

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from sagejax.bench import env
 from sagejax.bench.accuracy import ANCHORS, ANCHOR_SHAPE, anchor_comparison
 
-SPEED_PNG, ACCURACY_PNG = "speed.png", "accuracy.png"
+SPEED_PNG, ACCURACY_PNG, TRAIN_PNG = "speed.png", "accuracy.png", "train.png"
 
 
 # ----------------------------------------------------------------------------
@@ -69,18 +69,34 @@ def _labels(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def speed_markdown(rows: list[dict[str, Any]], h: str) -> list[str]:
+  return _tops_markdown(
+      rows, f"{h} Speed (TOPS)",
+      "TOPS = 4·B·N·T·S·H / time (halved when causal), {how}. End to end "
+      "(quantization included) unless marked \"(kernel)\" (pre-quantized "
+      "inputs).")
+
+
+def train_markdown(rows: list[dict[str, Any]], h: str) -> list[str]:
+  r0 = rows[0] if rows else {}
+  return _tops_markdown(
+      rows, f"{h} Training step, forward + backward (TFLOPS)",
+      f"{r0.get('dtype')} inputs; jax.value_and_grad of sum(out·dO) w.r.t. "
+      "q, k, v. TFLOPS = 3.5 × 4·B·N·T·S·H / time (halved when causal), "
+      "{how}.")
+
+
+def _tops_markdown(rows: list[dict[str, Any]], title: str, what: str
+                   ) -> list[str]:
   if not rows:
     return []
   r0 = rows[0]
   timing = next((r for r in rows if r["status"] == "ok"), None)
   how = (f"median of {timing['repeats']} repeats of back-to-back calls on "
          "rotating inputs" if timing else "no method ran")
-  lines = [f"{h} Speed (TOPS)", "",
+  lines = [title, "",
            f"B={r0['batch']}, N={r0['heads']}, K={r0['kv_heads']}, T=S. "
-           "TOPS = 4·B·N·T·S·H / time (halved when causal), "
-           f"{how}. End to end (quantization included) unless marked "
-           "\"(kernel)\" (pre-quantized inputs). – = skipped or failed "
-           "(see notes).", ""]
+           + what.format(how=how) + " – = skipped or failed (see notes).",
+           ""]
   labels = _labels(rows)
   cells: dict[tuple, dict[str, str]] = {}
   for r in rows:
@@ -187,6 +203,10 @@ def markdown(report: dict[str, Any], plots: dict[str, str], level: int = 1
   if ACCURACY_PNG in plots:
     lines += [f"![Error per preset]({plots[ACCURACY_PNG]})", ""]
   lines += memory_markdown(res.get("memory", []), h)
+  lines += train_markdown(res.get("train", []), h)
+  if TRAIN_PNG in plots:
+    lines += [f"![Training-step TFLOPS vs sequence length]"
+              f"({plots[TRAIN_PNG]})", ""]
   if report["notes"]:
     lines += [f"{h} Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
   return "\n".join(lines)
@@ -204,7 +224,15 @@ def _pyplot():
   return plt
 
 
-def plot_speed(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
+def plot_train(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
+  """Training-step TFLOPS vs S per method (see :func:`plot_speed`)."""
+  return plot_speed(rows, path, "Training step (fwd+bwd) throughput",
+                    "TFLOPS (3.5 × forward)", "")
+
+
+def plot_speed(rows: list[dict[str, Any]], path: pathlib.Path,
+               title: str = "Attention throughput", ylabel: str = "TOPS",
+               legend_note: str = " (dashed: kernel only)") -> bool:
   """TOPS vs S per method; one panel per (H, causal). False if no data."""
   ok = [r for r in rows if r["status"] == "ok"]
   if not ok:
@@ -238,7 +266,7 @@ def plot_speed(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
       ax.set_xticklabels([_seq(s) for s in seqs])
       ax.set_title(f"H={hd}, {'causal' if causal else 'not causal'}")
       ax.set_xlabel("sequence length S (= T)")
-      ax.set_ylabel("TOPS")
+      ax.set_ylabel(ylabel)
       ax.set_ylim(bottom=0)
       ax.grid(alpha=0.3)
   handles, names = axes[0][0].get_legend_handles_labels()
@@ -249,8 +277,8 @@ def plot_speed(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
         names.append(name)
   fig.legend(handles, names, loc="lower center", ncol=min(3, len(names)),
              frameon=False, fontsize=9)
-  fig.suptitle(f"Attention throughput, B={r0['batch']} N={r0['heads']} "
-               "(dashed: kernel only)", fontsize=11)
+  fig.suptitle(f"{title}, B={r0['batch']} N={r0['heads']}{legend_note}",
+               fontsize=11)
   rows_of_legend = math.ceil(len(names) / 3)
   fig.tight_layout(rect=(0, 0.05 + 0.035 * rows_of_legend, 1, 1))
   fig.savefig(path, dpi=110)
@@ -340,7 +368,8 @@ def write_plots(report: dict[str, Any], out: pathlib.Path,
   res = report["results"]
   for name, fn, rows in ((SPEED_PNG, plot_speed, res.get("speed", [])),
                          (ACCURACY_PNG, plot_accuracy,
-                          res.get("accuracy", []))):
+                          res.get("accuracy", [])),
+                         (TRAIN_PNG, plot_train, res.get("train", []))):
     if rows and fn(rows, out / name):
       made[name] = out / name
   return made

@@ -1,9 +1,10 @@
 """What one benchmark run measures: shapes, methods and timing, resolved.
 
 Defaults depend on ``--quick`` and on the platform: on a GPU the full sweep
-(B=4, N=32, H ∈ {64, 128}, S = 1k…16k); ``--quick`` (and a CPU without shape
-flags) uses tiny shapes. Accuracy defaults to the ANCHORS setting (B=2, N=8,
-T=S=4096, H=128, fp16).
+(B=4, N=32, H ∈ {64, 128}, S = 1k…16k; training steps at the ANCHORS training
+setting B=2, N=32, bf16); ``--quick`` (and a CPU without shape flags) uses
+tiny shapes. Accuracy defaults to the ANCHORS setting (B=2, N=8, T=S=4096,
+H=128, fp16).
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from typing import Any, Optional
 from sagejax.bench.methods import Shape
 from sagejax.bench.timing import TimingConfig
 
-COMMANDS = ("speed", "accuracy", "memory")
+COMMANDS = ("speed", "accuracy", "memory", "train")
 
 SPEED_FULL = {"batch": 4, "heads": 32, "head_dims": (64, 128),
               "seqs": (1024, 2048, 4096, 8192, 16384)}
 SPEED_QUICK = {"batch": 1, "heads": 2, "head_dims": (64,),
                "seqs": (256, 512)}
+# The ANCHORS training-step setting (shared/ANCHORS.md).
+TRAIN_FULL = {"batch": 2, "heads": 32, "head_dims": (64, 128),
+              "seqs": (1024, 4096, 8192, 16384)}
+TRAIN_QUICK = {"batch": 1, "heads": 2, "head_dims": (64,), "seqs": (256,)}
 # The ANCHORS accuracy setting (shared/ANCHORS.md).
 ACCURACY_FULL = {"batch": 2, "heads": 8, "head_dims": (128,), "seqs": (4096,)}
 ACCURACY_QUICK = {"batch": 1, "heads": 2, "head_dims": (64,), "seqs": (256,)}
@@ -54,6 +59,8 @@ class Settings:
   accuracy_shapes: list[Shape]
   memory_shape: Shape
   timing: TimingConfig
+  train_shapes: list[Shape] = dataclasses.field(default_factory=list)
+  train_dtype: Any = None
   kernel_only: bool = True
   plots: bool = True
   progress: bool = True
@@ -79,6 +86,10 @@ class Settings:
         "speed_shapes_BNKSH": shapes(self.speed_shapes),
         "accuracy_shapes_BNKSH": shapes(self.accuracy_shapes),
         "memory_shape_BNKSH": shapes([self.memory_shape])[0],
+        "train_shapes_BNKSH": shapes(self.train_shapes),
+        "train_dtype": (None if self.train_dtype is None else
+                        getattr(self.train_dtype, "__name__",
+                                str(self.train_dtype))),
         "timing": dataclasses.asdict(self.timing),
         "seed": self.seed,
     }
