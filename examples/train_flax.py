@@ -14,6 +14,12 @@ training, each model greedily generates the copy token by token through the
 Run from the repository root (about two minutes on a laptop CPU)::
 
   python examples/train_flax.py
+
+On a GPU it also times a training step of a larger causal model (bf16, S=4k,
+head dim 128 by default; ``--time-*`` flags) with exact attention through
+cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``) and with
+sagejax (kernel forward and backward), in the same process
+(``--time-steps`` forces it elsewhere, ``--no-time-steps`` skips it).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+import sagejax  # noqa: E402
 import sagejax.nn  # noqa: E402
 
 VOCAB, HALF = 16, 32
@@ -122,6 +129,95 @@ def greedy_copy_accuracy(attention, params, seq, **attn_kwargs) -> float:
   return float(jnp.mean(jnp.stack(generated, 1) == seq[:, HALF:]))
 
 
+def causal_attention(attend):
+  """Flax ``attention_fn`` that ignores the mask and attends causally.
+
+  ``attend(q, k, v)`` gets Flax's ``[batch, T, N, H]`` arrays.
+  """
+  def fn(query, key, value, bias=None, mask=None, **unused):
+    del bias, mask, unused  # the timing model passes neither
+    return attend(query, key, value)
+  return fn
+
+
+ATTENTION_FNS = {
+    "exact (cuDNN)": lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn"),
+    "sagejax sage2-8b": lambda q, k, v: sagejax.attention(
+        q, k, v, is_causal=True),
+}
+
+
+class TimingLM(nn.Module):
+  """A pre-LN causal decoder in bf16 for timing: the attention is
+  ``attention_fn`` (causal), everything else identical."""
+  attention_fn: Any
+  vocab: int
+  seq: int
+  dim: int
+  heads: int
+  layers: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    bf16 = jnp.bfloat16
+    x = nn.Embed(self.vocab, self.dim, dtype=bf16)(tokens)
+    x = x + nn.Embed(self.seq, self.dim, dtype=bf16)(
+        jnp.arange(tokens.shape[1]))[None]
+    for _ in range(self.layers):
+      x = x + nn.MultiHeadDotProductAttention(
+          num_heads=self.heads, dtype=bf16,
+          attention_fn=causal_attention(self.attention_fn))(
+              nn.LayerNorm(dtype=bf16)(x))
+      y = nn.Dense(4 * self.dim, dtype=bf16)(nn.LayerNorm(dtype=bf16)(x))
+      x = x + nn.Dense(self.dim, dtype=bf16)(nn.gelu(y))
+    return nn.Dense(self.vocab, dtype=bf16)(nn.LayerNorm(dtype=bf16)(x))
+
+
+def _time_steps(model, tokens, iters: int) -> float:
+  params = jax.jit(model.init)(jax.random.key(1), tokens)
+  opt = optax.adamw(1e-4)
+  state = opt.init(params)
+
+  @jax.jit
+  def step(params, state, tokens):
+    def loss(p):
+      logits = model.apply(p, tokens)[:, :-1].astype(jnp.float32)
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, tokens[:, 1:]).mean()
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+
+  for _ in range(3):  # compile and warm up
+    params, state, value = step(params, state, tokens)
+  jax.block_until_ready(value)
+  runs = []
+  for _ in range(5):
+    start = time.perf_counter()
+    for _ in range(iters):
+      params, state, value = step(params, state, tokens)
+    jax.block_until_ready(value)
+    runs.append((time.perf_counter() - start) / iters)
+  return 1e3 * float(np.median(runs))
+
+
+def time_training_steps(args) -> dict[str, float]:
+  """Median milliseconds per optimizer step with each attention function."""
+  vocab = 1024
+  tokens = jax.random.randint(jax.random.key(0), (args.time_batch,
+                                                   args.time_seq), 0, vocab)
+  times = {}
+  for name, attend in ATTENTION_FNS.items():
+    try:
+      times[name] = _time_steps(TimingLM(
+          attend, vocab, args.time_seq, args.time_dim, args.time_heads,
+          args.time_layers), tokens, args.time_iters)
+    except Exception as e:  # pylint: disable=broad-except  # e.g. no cuDNN
+      print(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
+  return times
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=400)
@@ -130,7 +226,18 @@ def main():
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=str(pathlib.Path(__file__).with_name(
       "train_flax.png")))
+  parser.add_argument("--time-steps", action=argparse.BooleanOptionalAction,
+                      default=None, help="time training steps of a larger "
+                      "model (default: on a GPU)")
+  parser.add_argument("--time-seq", type=int, default=4096)
+  parser.add_argument("--time-batch", type=int, default=2)
+  parser.add_argument("--time-dim", type=int, default=2048)
+  parser.add_argument("--time-heads", type=int, default=16)
+  parser.add_argument("--time-layers", type=int, default=2)
+  parser.add_argument("--time-iters", type=int, default=10)
   args = parser.parse_args()
+  if args.time_steps is None:
+    args.time_steps = jax.default_backend() == "gpu"
 
   runs = {"exact (flax.linen)": nn.MultiHeadDotProductAttention,
           "sagejax sage2-8b": sagejax.nn.MultiHeadDotProductAttention}
@@ -192,6 +299,18 @@ def main():
   fig.tight_layout()
   fig.savefig(args.out, dpi=120)
   print(f"saved {args.out}")
+
+  if args.time_steps:
+    print(f"training step, B={args.time_batch} S={args.time_seq} "
+          f"d={args.time_dim} heads={args.time_heads} (head dim "
+          f"{args.time_dim // args.time_heads}) layers={args.time_layers}, "
+          f"bf16, causal, on {jax.devices()[0].device_kind}:")
+    times = time_training_steps(args)
+    for name, ms in times.items():
+      print(f"  {name:20s} {ms:8.2f} ms/step")
+    if len(times) == 2:
+      exact, sage = times.values()
+      print(f"  sagejax step time / exact: {sage / exact:.2f}")
 
 
 if __name__ == "__main__":

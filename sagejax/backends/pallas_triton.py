@@ -173,13 +173,17 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
 class _PallasTritonBackend:
   name = "pallas"
 
-  def __init__(self, interpret: bool = False, fp8_on_fp16_mma: bool = True):
+  def __init__(self, interpret: bool = False, fp8_on_fp16_mma: bool = True,
+               backward_tiling: Optional[BackwardTiling] = None):
     """``fp8_on_fp16_mma``: keep FP8-quantized P̃ and V but multiply them on
     FP16 tensor cores (exact: e4m3 ⊂ fp16). Triton's 8-bit operand path moves
     P̃ through shared memory every block; this is faster (benchmarks/NOTES.md).
+    ``backward_tiling``: backward kernel tiles instead of
+    :func:`default_backward_tiling` (for measurement).
     """
     self.interpret = interpret
     self.fp8_on_fp16_mma = fp8_on_fp16_mma
+    self.backward_tiling = backward_tiling
 
   def available(self) -> bool:
     if self.interpret:
@@ -287,8 +291,9 @@ class _PallasTritonBackend:
     b, n, t, h, kh, s = call.dims
     hp = max(32, next_pow2(h))
     int8 = config.backward_int8
-    tiling = _fit_tiling(tiling or default_backward_tiling(hp, int8), t, s,
-                         32 if int8 else 16)
+    tiling = tiling or self.backward_tiling or default_backward_tiling(
+        hp, int8)
+    tiling = _fit_tiling(tiling, t, s, 32 if int8 else 16)
     bq = max(tiling.block_q, tiling.block_q_dq)
     bk = max(tiling.block_k, tiling.block_k_dq)
     t_pad, s_pad = -(-t // bq) * bq, -(-s // bk) * bk
