@@ -136,10 +136,14 @@ def attention(
     a fully masked non-padding row).
 
   Gradients: under ``jax.grad`` the backward is that of *exact* attention at
-  the same inputs (quantizers are straight-through): FP32, blockwise
-  (FlashAttention-2 style, no S×S matrix), with the softmax statistics
-  recomputed exactly rather than taken from the quantized forward. Gradients
-  flow to ``query``, ``key``, ``value``, ``bias`` and through the returned LSE.
+  the same inputs (quantizers are straight-through), blockwise
+  (FlashAttention-2 style, no S×S matrix). The backend that ran the forward
+  runs it when it has a backward (``"pallas"``: Triton kernels, 16-bit
+  tensor-core products with FP32 accumulation, softmax statistics recomputed
+  exactly or taken from the forward as ``config.backward_stats`` says, INT8
+  with ``config.backward_int8``); otherwise the ``"xla"`` backward, FP32 with
+  exactly recomputed statistics. Gradients flow to ``query``, ``key``,
+  ``value``, ``bias`` and through the returned LSE.
   """
   cfg = resolve_config(config)
   call = _inputs.parse(query, key, value, bias, mask, scale=scale,

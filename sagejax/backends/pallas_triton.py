@@ -35,21 +35,25 @@ def default_tiling(head_dim: int, config: SageConfig) -> KernelTiling:
   return KernelTiling(block_q=64, block_k=32, num_warps=4, num_stages=2)
 
 
-def default_backward_tiling(head_dim: int, int8: bool = False
-                            ) -> BackwardTiling:
-  """Backward kernel tiles by head dim (benchmarks/train_check.py sweeps)."""
+def default_backward_tiling(head_dim: int, int8: bool = False,
+                            itemsize: int = 2) -> BackwardTiling:
+  """Backward kernel tiles by head dim (benchmarks/train_check.py sweeps).
+
+  FP32 inputs (IEEE FP32 products) take the smallest tiles: their K/V and
+  Q/dO tiles need twice the shared memory.
+  """
   del int8  # same tiles (INT8 dots need tiles >= 32, which these are)
+  if itemsize > 2 or head_dim > 128:
+    return BackwardTiling(block_q=32, block_k=64, block_q_dq=64,
+                          block_k_dq=32, num_warps=4, num_stages=1,
+                          num_warps_dq=4, num_stages_dq=1)
   if head_dim <= 64:
     return BackwardTiling(block_q=64, block_k=128, block_q_dq=128,
                           block_k_dq=64, num_warps=4, num_stages=3,
                           num_warps_dq=4, num_stages_dq=3)
-  if head_dim <= 128:
-    return BackwardTiling(block_q=64, block_k=128, block_q_dq=128,
-                          block_k_dq=64, num_warps=8, num_stages=2,
-                          num_warps_dq=8, num_stages_dq=2)
-  return BackwardTiling(block_q=32, block_k=64, block_q_dq=64, block_k_dq=32,
-                        num_warps=4, num_stages=1, num_warps_dq=4,
-                        num_stages_dq=1)
+  return BackwardTiling(block_q=64, block_k=128, block_q_dq=128,
+                        block_k_dq=64, num_warps=8, num_stages=2,
+                        num_warps_dq=8, num_stages_dq=2)
 
 
 def _fit_tiling(tiling: BackwardTiling, t: int, s: int, floor: int
@@ -292,7 +296,7 @@ class _PallasTritonBackend:
     hp = max(32, next_pow2(h))
     int8 = config.backward_int8
     tiling = tiling or self.backward_tiling or default_backward_tiling(
-        hp, int8)
+        hp, int8, jnp.dtype(call.q.dtype).itemsize)
     tiling = _fit_tiling(tiling, t, s, 32 if int8 else 16)
     bq = max(tiling.block_q, tiling.block_q_dq)
     bk = max(tiling.block_k, tiling.block_k_dq)
