@@ -211,8 +211,9 @@ def test_int8_backward_accuracy(qkv, next_key):
 def test_custom_vjp_uses_the_kernel_backward(qkv, next_key, monkeypatch):
   """sagejax.attention under jax.grad runs the forward backend's backward
   (here the interpreted kernels standing in for "pallas"), saving the
-  forward's statistics only when the config says so; a backend that does
-  not serve the call falls back to the "xla" backward."""
+  forward's statistics only when the config says so; a kernel backend
+  without a backward borrows it; with no kernel backward serving the call,
+  the "xla" backward runs."""
   monkeypatch.setitem(backends.registry(), "pallas", FAST)
   calls = []
   real = pallas_triton._PallasTritonBackend.backward
@@ -234,6 +235,17 @@ def test_custom_vjp_uses_the_kernel_backward(qkv, next_key, monkeypatch):
     assert calls.pop() is saved
     for g, r in zip(got, want):
       assert testing.error_metrics(g, r)["cos_sim"] > 0.9999
+  # A kernel backend without a backward borrows the "pallas" one.
+  forward_only = type("ForwardOnly", (), dict(
+      name="mosaic", available=lambda self: True,
+      unsupported=lambda self, call, config: None,
+      forward=lambda self, call, config: xla.BACKEND.forward(call, config)))()
+  monkeypatch.setitem(backends.registry(), "mosaic", forward_only)
+  got = grads(functools.partial(sagejax.attention, config="sage1",
+                                implementation="mosaic"))
+  assert calls.pop() is True
+  for g, r in zip(got, want):
+    assert testing.error_metrics(g, r)["cos_sim"] > 0.9999
   monkeypatch.setattr(pallas_triton._PallasTritonBackend,
                       "backward_unsupported", lambda *a: "not today")
   got = grads(functools.partial(sagejax.attention, config=RECOMPUTE,

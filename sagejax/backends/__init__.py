@@ -16,8 +16,9 @@ natural-log LSE, f32 ``[B, N, T]``. It does its own quantization, mirroring
 A backend may also run the backward (``jax.grad``): ``backward_unsupported(
 call, config)`` (None, or why not) and ``backward(call, config, d_out, d_lse,
 saved)``, see :class:`BackwardBackend`. The custom VJP uses the backward of
-the backend that ran the forward when it has one and it serves the call, and
-the exact FP32 ``"xla"`` backward (:mod:`sagejax._vjp`) otherwise.
+the backend that ran the forward when it has one and it serves the call
+(else another kernel backend's: :func:`backward_of`), and the exact FP32
+``"xla"`` backward (:mod:`sagejax._vjp`) otherwise.
 """
 
 from __future__ import annotations
@@ -58,9 +59,8 @@ class BackwardBackend(Backend, Protocol):
   * ``d_out``: the output's cotangent, ``call.layout``, Q's dtype.
   * ``d_lse``: the LSE's cotangent, f32 ``[B, N, T]`` (zeros when unused).
   * ``saved``: ``(output in call.layout, natural-log LSE f32 [B, N, T])`` of
-    this backend's forward when ``config.saved_stats`` (take δ = rowsum(dO ∘ O)
-    and the softmax statistics from them), else None (recompute them
-    exactly).
+    the forward when ``config.saved_stats`` (take δ = rowsum(dO ∘ O) and the
+    softmax statistics from them), else None (recompute them exactly).
 
   Returns ``(dq, dk, dv, dbias)``: dq, dk, dv in ``call.layout`` and the
   inputs' dtypes, dbias in the bias's own shape and dtype (None without a
@@ -79,13 +79,27 @@ class BackwardBackend(Backend, Protocol):
 
 def backward_of(name: str, call: ParsedCall, config: SageConfig
                 ) -> Optional[BackwardBackend]:
-  """The backend ``name`` if it has a backward that serves ``call``."""
-  backend = registry()[name]
-  if not callable(getattr(backend, "backward", None)):
+  """The backend whose backward runs after a forward by backend ``name``.
+
+  ``name``'s own backward when it has one that serves ``call``. A kernel
+  backend without one (or whose backward refuses the call) borrows the first
+  available backend's, in registry order, that serves it: the gradient is
+  that of exact attention whichever kernels compute it. None (→ the exact
+  ``"xla"`` backward) when none does, and always after an ``"xla"`` forward:
+  that path is the oracle.
+  """
+  backends = registry()
+  own = backends[name]
+  if name == "xla":
     return None
-  if backend.backward_unsupported(call, config) is not None:
-    return None
-  return backend
+  for backend in [own] + [b for b in backends.values() if b is not own]:
+    if not callable(getattr(backend, "backward", None)):
+      continue
+    if backend is not own and not backend.available():
+      continue
+    if backend.backward_unsupported(call, config) is None:
+      return backend
+  return None
 
 
 @functools.cache
