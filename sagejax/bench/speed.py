@@ -90,14 +90,20 @@ def compile_method(method: Method, shape: Shape, pool: InputPool):
   return compiled, prepare, args
 
 
-def measure(method: Method, shape: Shape, pool: InputPool,
-            settings: Settings) -> list[dict[str, Any]]:
-  """One speed row: median time and TOPS, or why there is none."""
+def timed_row(method: Method, shape: Shape, pool: InputPool,
+              settings: Settings, compile_fn, flops: float, **fields
+              ) -> list[dict[str, Any]]:
+  """One row: median time and TOPS (``flops`` / time), or why there is none.
+
+  ``compile_fn(method, shape, pool)`` returns ``(compiled, as_args, args)``:
+  the compiled function, how a raw ``(q, k, v)`` set becomes its arguments,
+  and the arguments of the first set.
+  """
   row = base_row(method, shape)
-  row.update(status="ok", note=None)
+  row.update(status="ok", note=None, **fields)
   try:
     start = time.perf_counter()
-    compiled, prepare, args = compile_method(method, shape, pool)
+    compiled, as_args, args = compile_fn(method, shape, pool)
     row["compile_s"] = round(time.perf_counter() - start, 3)
     n = rotating_sets(tree_bytes(args), settings.timing)
     mem = compiled_memory(compiled)
@@ -105,16 +111,25 @@ def measure(method: Method, shape: Shape, pool: InputPool,
       check_fits(mem["total_bytes"] + (n - 1) * mem["argument_bytes"],
                  settings.memory_limit, method.label)
     raw = pool.get(shape, method.dtype, n)
-    sets = [args] + [prepare(*r) if prepare else r for r in raw[1:]]
+    sets = [args] + [as_args(r) for r in raw[1:]]
     t = time_calls(compiled, sets, settings.timing)
     row.update(time_ms=t.median_s * 1e3, time_ms_min=t.min_s * 1e3,
-               tops=shape.flops / t.median_s / 1e12, calls=t.calls,
+               tops=flops / t.median_s / 1e12, calls=t.calls,
                repeats=t.repeats, input_sets=t.input_sets)
   except Skip as e:
     row.update(status="skipped", note=str(e))
   except Exception as e:  # pylint: disable=broad-except  # one line, go on
     row.update(status="error", note=one_line(e))
   return [row]
+
+
+def measure(method: Method, shape: Shape, pool: InputPool,
+            settings: Settings) -> list[dict[str, Any]]:
+  """One speed row: median time and TOPS, or why there is none."""
+  def compile_fn(method, shape, pool):
+    compiled, prepare, args = compile_method(method, shape, pool)
+    return compiled, (lambda r: prepare(*r)) if prepare else tuple, args
+  return timed_row(method, shape, pool, settings, compile_fn, shape.flops)
 
 
 def tasks(settings: Settings, methods: list[Method]) -> list[Task]:

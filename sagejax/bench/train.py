@@ -11,19 +11,15 @@ shows as slower, not as more work.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from sagejax.bench.methods import (END_TO_END, INTERPRET, Method, Shape, Skip,
-                                   one_line)
+from sagejax.bench.methods import END_TO_END, INTERPRET, Method, Shape, Skip
 from sagejax.bench.progress import Task
 from sagejax.bench.settings import Settings
-from sagejax.bench.speed import (InputPool, base_row, check_fits,
-                                 compiled_memory)
-from sagejax.bench.timing import rotating_sets, time_calls, tree_bytes
+from sagejax.bench.speed import InputPool, timed_row
 
 TRAIN_FLOPS = 3.5  # × the forward's
 # Methods without a backward worth timing here: the interpreted kernels
@@ -53,36 +49,20 @@ def _with_cotangent(qkv: tuple) -> tuple:
   return q, k, v, jnp.flip(q, axis=-1)  # any data of q's shape, not zeros
 
 
+def _compile(method: Method, shape: Shape, pool: InputPool):
+  built = method.build(shape)
+  if built.prepare is not None:
+    raise Skip("kernel-only methods have no training step")
+  args = _with_cotangent(pool.get(shape, method.dtype, 1)[0])
+  compiled = jax.jit(train_step(built.fn)).lower(*args).compile()
+  return compiled, _with_cotangent, args
+
+
 def measure(method: Method, shape: Shape, pool: InputPool,
             settings: Settings) -> list[dict[str, Any]]:
   """One row: median training-step time and TFLOPS, or why there is none."""
-  row = base_row(method, shape)
-  row.update(mode="train", status="ok", note=None)
-  try:
-    start = time.perf_counter()
-    built = method.build(shape)
-    if built.prepare is not None:
-      raise Skip("kernel-only methods have no training step")
-    args = _with_cotangent(pool.get(shape, method.dtype, 1)[0])
-    compiled = jax.jit(train_step(built.fn)).lower(*args).compile()
-    row["compile_s"] = round(time.perf_counter() - start, 3)
-    n = rotating_sets(tree_bytes(args), settings.timing)
-    mem = compiled_memory(compiled)
-    if mem is not None:
-      row["planned_bytes"] = mem["total_bytes"]
-      check_fits(mem["total_bytes"] + (n - 1) * mem["argument_bytes"],
-                 settings.memory_limit, method.label)
-    sets = [args] + [_with_cotangent(r)
-                     for r in pool.get(shape, method.dtype, n)[1:]]
-    t = time_calls(compiled, sets, settings.timing)
-    row.update(time_ms=t.median_s * 1e3, time_ms_min=t.min_s * 1e3,
-               tops=TRAIN_FLOPS * shape.flops / t.median_s / 1e12,
-               calls=t.calls, repeats=t.repeats, input_sets=t.input_sets)
-  except Skip as e:
-    row.update(status="skipped", note=str(e))
-  except Exception as e:  # pylint: disable=broad-except  # one line, go on
-    row.update(status="error", note=one_line(e))
-  return [row]
+  return timed_row(method, shape, pool, settings, _compile,
+                   TRAIN_FLOPS * shape.flops, mode="train")
 
 
 def tasks(settings: Settings, methods: list[Method]) -> list[Task]:

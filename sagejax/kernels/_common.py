@@ -1,10 +1,13 @@
-"""Small helpers shared by the Pallas Triton kernels."""
+"""Small helpers shared by the Pallas kernels."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import triton as plgpu
+
+from sagejax.masks import MaskSpec
 
 
 def round_half_even(x: jax.Array, interpret: bool) -> jax.Array:
@@ -23,3 +26,66 @@ def round_half_even(x: jax.Array, interpret: bool) -> jax.Array:
 
 def next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
+
+
+def kv_block_range(spec: MaskSpec, q_first, q_last, q_len, kv_len,
+                   block_kv: int, num_kv_blocks: int):
+  """KV blocks that rows ``[q_first, q_last]`` may see, and those all see.
+
+  Returns ``(lo, full_lo, full_hi, hi)``: blocks ``[lo, hi)`` are visited;
+  ``[full_lo, full_hi)`` are visible to every row (no mask needed), the rest
+  straddle the causal diagonal, the window's edges or ``kv_len``.
+  """
+  offset = kv_len - q_len if spec.causal_alignment == "bottom_right" else 0
+  lo, hi = jnp.int32(0), kv_len
+  full_lo, full_hi = jnp.int32(0), kv_len
+  if spec.is_causal:
+    hi = jnp.minimum(hi, q_last + offset + 1)
+    full_hi = jnp.minimum(full_hi, q_first + offset + 1)
+  if spec.window is not None:
+    left, right = spec.window
+    hi = jnp.minimum(hi, q_last + offset + right + 1)
+    full_hi = jnp.minimum(full_hi, q_first + offset + right + 1)
+    lo = jnp.maximum(lo, q_first + offset - left)
+    full_lo = jnp.maximum(full_lo, q_last + offset - left)
+  return _block_range(lo, full_lo, full_hi, hi, q_first < q_len, block_kv,
+                      num_kv_blocks)
+
+
+def q_block_range(spec: MaskSpec, k_first, k_last, q_len, kv_len,
+                  block_q: int, num_q_blocks: int):
+  """Query blocks that see some of keys ``[k_first, k_last]``, and those
+  whose every row sees all of them (the transpose of :func:`kv_block_range`,
+  for backward kernels that own a KV block).
+
+  Returns ``(lo, full_lo, full_hi, hi)`` in query blocks, as
+  :func:`kv_block_range` does in KV blocks.
+  """
+  offset = kv_len - q_len if spec.causal_alignment == "bottom_right" else 0
+  lo, hi = jnp.int32(0), q_len
+  full_lo, full_hi = jnp.int32(0), q_len
+  if spec.is_causal:  # key j is seen by rows i >= j - offset
+    lo = jnp.maximum(lo, k_first - offset)
+    full_lo = jnp.maximum(full_lo, k_last - offset)
+  if spec.window is not None:  # i - left <= j - offset <= i + right
+    left, right = spec.window
+    lo = jnp.maximum(lo, k_first - offset - right)
+    full_lo = jnp.maximum(full_lo, k_last - offset - right)
+    hi = jnp.minimum(hi, k_last - offset + left + 1)
+    full_hi = jnp.minimum(full_hi, k_first - offset + left + 1)
+  return _block_range(lo, full_lo, full_hi, hi, k_first < kv_len, block_q,
+                      num_q_blocks)
+
+
+def _block_range(lo, full_lo, full_hi, hi, any_seen, block: int,
+                 num_blocks: int):
+  """Index ranges [lo, hi) (seen by some row) and [full_lo, full_hi) (by all)
+  → block ranges ``(lo, full_lo, full_hi, hi)``."""
+  bk = jnp.int32(block)
+  hi_b = jnp.clip(lax.div(jnp.maximum(hi, 0) + bk - 1, bk), 0, num_blocks)
+  hi_b = jnp.where(any_seen, hi_b, 0)
+  lo_b = jnp.clip(lax.div(jnp.maximum(lo, 0), bk), 0, hi_b)
+  full_hi_b = jnp.clip(lax.div(jnp.maximum(full_hi, 0), bk), lo_b, hi_b)
+  full_lo_b = jnp.clip(lax.div(jnp.maximum(full_lo, 0) + bk - 1, bk), lo_b,
+                       full_hi_b)
+  return lo_b, full_lo_b, full_hi_b, hi_b

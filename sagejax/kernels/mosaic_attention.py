@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sagejax import quant
+from sagejax.kernels._common import kv_block_range
 from sagejax.masks import MaskSpec
 
 _LOG2_P_SCALE = math.log2(quant.P_SCALE)
@@ -164,36 +165,6 @@ def _as_pv_operand(p8: jax.Array) -> jax.Array:
                                 _is_signed=None)
 
   return relabel(p8)
-
-
-def kv_block_range(spec: MaskSpec, q_first, q_last, q_len, kv_len,
-                   block_kv: int, num_kv_blocks: int):
-  """KV blocks that rows ``[q_first, q_last]`` may see, and those all see.
-
-  Returns ``(lo, full_lo, full_hi, hi)``: blocks ``[lo, hi)`` are visited;
-  ``[full_lo, full_hi)`` are visible to every row (no mask needed), the rest
-  straddle the causal diagonal, the window's edges or ``kv_len``.
-  """
-  offset = kv_len - q_len if spec.causal_alignment == "bottom_right" else 0
-  lo, hi = jnp.int32(0), kv_len
-  full_lo, full_hi = jnp.int32(0), kv_len
-  if spec.is_causal:
-    hi = jnp.minimum(hi, q_last + offset + 1)
-    full_hi = jnp.minimum(full_hi, q_first + offset + 1)
-  if spec.window is not None:
-    left, right = spec.window
-    hi = jnp.minimum(hi, q_last + offset + right + 1)
-    full_hi = jnp.minimum(full_hi, q_first + offset + right + 1)
-    lo = jnp.maximum(lo, q_first + offset - left)
-    full_lo = jnp.maximum(full_lo, q_last + offset - left)
-  bk = jnp.int32(block_kv)
-  hi_b = jnp.clip(lax.div(jnp.maximum(hi, 0) + bk - 1, bk), 0, num_kv_blocks)
-  hi_b = jnp.where(q_first < q_len, hi_b, 0)
-  lo_b = jnp.clip(lax.div(jnp.maximum(lo, 0), bk), 0, hi_b)
-  full_hi_b = jnp.clip(lax.div(jnp.maximum(full_hi, 0), bk), lo_b, hi_b)
-  full_lo_b = jnp.clip(lax.div(jnp.maximum(full_lo, 0) + bk - 1, bk), lo_b,
-                       full_hi_b)
-  return lo_b, full_lo_b, full_hi_b, hi_b
 
 
 def attention_forward(

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sagejax import quant
+from sagejax.kernels._common import kv_block_range
 from sagejax.masks import MaskSpec
 
 _LOG2_P_SCALE = math.log2(quant.P_SCALE)
@@ -83,27 +84,11 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
   kv_len = kl_ref[...]
   q_first = i * block_q
   q_last = jnp.minimum(q_first + block_q, q_len) - 1
-  offset = kv_len - q_len if spec.causal_alignment == "bottom_right" else 0
 
-  # Keys [lo, hi) may be seen by some row; [full_lo, full_hi) by every row.
-  lo, hi = 0, kv_len
-  full_lo, full_hi = 0, kv_len
-  if spec.is_causal:
-    hi = jnp.minimum(hi, q_last + offset + 1)
-    full_hi = jnp.minimum(full_hi, q_first + offset + 1)
-  if spec.window is not None:
-    left, right = spec.window
-    hi = jnp.minimum(hi, q_last + offset + right + 1)
-    full_hi = jnp.minimum(full_hi, q_first + offset + right + 1)
-    lo = jnp.maximum(lo, q_first + offset - left)
-    full_lo = jnp.maximum(full_lo, q_last + offset - left)
   # Block ranges: masked head [blo, fblo), unmasked [fblo, fbhi), masked tail
   # [fbhi, bhi). A query block past q_len sees nothing.
-  bhi = jnp.where(q_first < q_len, jnp.clip((hi + block_k - 1) // block_k, 0,
-                                            num_kv_blocks), 0)
-  blo = jnp.clip(jnp.maximum(lo, 0) // block_k, 0, bhi)
-  fbhi = jnp.clip(full_hi // block_k, blo, bhi)
-  fblo = jnp.clip((full_lo + block_k - 1) // block_k, blo, fbhi)
+  blo, fblo, fbhi, bhi = kv_block_range(spec, q_first, q_last, q_len, kv_len,
+                                        block_k, num_kv_blocks)
 
   q = q_ref[...]
   if int4:  # packed: low nibble = channel c, high = c + H/2 (quant.pack_int4)

@@ -52,7 +52,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sagejax import quant
-from sagejax.kernels._common import round_half_even
+from sagejax.kernels._common import (kv_block_range, q_block_range,
+                                     round_half_even)
 from sagejax.masks import MaskSpec
 
 _INF = float("inf")
@@ -105,66 +106,45 @@ class BackwardTiling:
 
 
 # ----------------------------------------------------------------------------
-# Which blocks a tile sees (the rule of masks.MaskSpec, on block bounds).
+# Which blocks a tile sees (kernels._common, the rule of masks.MaskSpec).
 # ----------------------------------------------------------------------------
 
 
-def _blocks(lo, hi, full_lo, full_hi, block: int, num_blocks: int, any_rows,
-            partial):
-  """Block ranges of an index range: masked head [blo, fblo), unmasked
-  [fblo, fbhi), masked tail [fbhi, bhi).
-
-  [lo, hi) are indices some row of the tile sees, [full_lo, full_hi) those
-  every row sees; ``partial``: the tile straddles a length (no block is
-  unmasked).
-  """
-  bhi = jnp.where(any_rows, jnp.clip((hi + block - 1) // block, 0,
-                                     num_blocks), 0)
-  blo = jnp.clip(jnp.maximum(lo, 0) // block, 0, bhi)
-  fbhi = jnp.clip(full_hi // block, blo, bhi)
-  fbhi = jnp.where(partial, blo, fbhi)
-  fblo = jnp.clip((full_lo + block - 1) // block, blo, fbhi)
-  return blo, fblo, fbhi, bhi
+def _masked_only(ranges, partial):
+  """No unmasked block when ``partial``: the tile straddles a length (its
+  padding rows or keys must be masked) or a mask/bias array applies."""
+  lo, full_lo, full_hi, hi = ranges
+  full_hi = jnp.where(partial, lo, full_hi)
+  return lo, jnp.minimum(full_lo, full_hi), full_hi, hi
 
 
 def _key_blocks(spec: MaskSpec, q_first, rows: int, q_len, kv_len,
                 block_k: int, num_blocks: int, all_masked: bool):
   """Key blocks seen by query rows [q_first, q_first + rows)."""
   q_last = jnp.minimum(q_first + rows, q_len) - 1
-  off = kv_len - q_len if spec.causal_alignment == "bottom_right" else 0
-  lo, hi, full_lo, full_hi = 0, kv_len, 0, kv_len
-  if spec.is_causal:
-    hi = jnp.minimum(hi, q_last + off + 1)
-    full_hi = jnp.minimum(full_hi, q_first + off + 1)
-  if spec.window is not None:
-    left, right = spec.window
-    hi = jnp.minimum(hi, q_last + off + right + 1)
-    full_hi = jnp.minimum(full_hi, q_first + off + right + 1)
-    lo = jnp.maximum(lo, q_first + off - left)
-    full_lo = jnp.maximum(full_lo, q_last + off - left)
-  partial = (q_first + rows > q_len) | all_masked
-  return _blocks(lo, hi, full_lo, full_hi, block_k, num_blocks,
-                 q_first < q_len, partial)
+  return _masked_only(
+      kv_block_range(spec, q_first, q_last, q_len, kv_len, block_k,
+                     num_blocks), (q_first + rows > q_len) | all_masked)
 
 
 def _query_blocks(spec: MaskSpec, k_first, cols: int, q_len, kv_len,
                   block_q: int, num_blocks: int, all_masked: bool):
   """Query blocks that see keys [k_first, k_first + cols)."""
   k_last = jnp.minimum(k_first + cols, kv_len) - 1
-  off = kv_len - q_len if spec.causal_alignment == "bottom_right" else 0
-  lo, hi, full_lo, full_hi = 0, q_len, 0, q_len
-  if spec.is_causal:  # key j is seen by rows i >= j - off
-    lo = jnp.maximum(lo, k_first - off)
-    full_lo = jnp.maximum(full_lo, k_last - off)
-  if spec.window is not None:  # i - left <= j - off <= i + right
-    left, right = spec.window
-    lo = jnp.maximum(lo, k_first - off - right)
-    full_lo = jnp.maximum(full_lo, k_last - off - right)
-    hi = jnp.minimum(hi, k_last - off + left + 1)
-    full_hi = jnp.minimum(full_hi, k_first - off + left + 1)
-  partial = (k_first + cols > kv_len) | all_masked
-  return _blocks(lo, hi, full_lo, full_hi, block_q, num_blocks,
-                 k_first < kv_len, partial)
+  return _masked_only(
+      q_block_range(spec, k_first, k_last, q_len, kv_len, block_q,
+                    num_blocks), (k_first + cols > kv_len) | all_masked)
+
+
+def _visit(blocks, body, carry):
+  """``body(j, carry, masked)`` over the masked head, the unmasked middle
+  and the masked tail of ``blocks`` (as :func:`_key_blocks` returns)."""
+  lo, full_lo, full_hi, hi = blocks
+  masked = functools.partial(body, masked=True)
+  carry = lax.fori_loop(lo, full_lo, masked, carry)
+  carry = lax.fori_loop(full_lo, full_hi,
+                        functools.partial(body, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, masked, carry)
 
 
 # ----------------------------------------------------------------------------
@@ -225,6 +205,24 @@ def _visible(spec: MaskSpec, rows, cols, q_len, kv_len, mask):
   return ok
 
 
+def _key_tile(j, block_k: int, q, q_scale, k_ref, ks_ref, v_ref, c: float,
+              bias_ref, mask_ref, spec: MaskSpec, rows, q_len, kv_len,
+              masked: bool):
+  """KV block ``j`` of a query tile's loop: ((K, its INT8 scales or None),
+  V, the tile's base-2 logits, masked when ``masked``)."""
+  start = pl.multiple_of(j * block_k, block_k)
+  k = k_ref[pl.ds(start, block_k), :]
+  v = v_ref[pl.ds(start, block_k), :]
+  k_scale = None if ks_ref is None else ks_ref[pl.ds(start, block_k)]
+  bias = None if bias_ref is None else bias_ref[:, pl.ds(start, block_k)]
+  ok = None
+  if masked:
+    mask = None if mask_ref is None else mask_ref[:, pl.ds(start, block_k)]
+    ok = _visible(spec, rows, start + jnp.arange(block_k), q_len, kv_len,
+                  mask)
+  return (k, k_scale), v, _logits(q, k, q_scale, k_scale, c, bias, ok)
+
+
 # ----------------------------------------------------------------------------
 # δ and lse₂.
 # ----------------------------------------------------------------------------
@@ -254,23 +252,15 @@ def _stats_kernel(q_ref, k_ref, v_ref, do_ref, dlse_ref, mask_ref, bias_ref,
   i = q_block_of(pl.program_id(0))
   q_len, kv_len = ql_ref[...], kl_ref[...]
   q_first = i * block_q
-  blo, fblo, fbhi, bhi = _key_blocks(spec, q_first, block_q, q_len, kv_len,
-                                     block_k, num_kv_blocks, all_masked)
+  blocks = _key_blocks(spec, q_first, block_q, q_len, kv_len, block_k,
+                       num_kv_blocks, all_masked)
   q = q_ref[...]
   rows = q_first + jnp.arange(block_q)
 
   def body(j, carry, masked: bool):
     acc, m, l = carry
-    start = pl.multiple_of(j * block_k, block_k)
-    k = k_ref[pl.ds(start, block_k), :]
-    v = v_ref[pl.ds(start, block_k), :]
-    bias = None if bias_ref is None else bias_ref[:, pl.ds(start, block_k)]
-    ok = None
-    if masked:
-      mask = None if mask_ref is None else mask_ref[:, pl.ds(start, block_k)]
-      ok = _visible(spec, rows, start + jnp.arange(block_k), q_len, kv_len,
-                    mask)
-    s = _logits(q, k, None, None, c, bias, ok)
+    _, v, s = _key_tile(j, block_k, q, None, k_ref, None, v_ref, c, bias_ref,
+                        mask_ref, spec, rows, q_len, kv_len, masked)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_use = jnp.where(m_new == -_INF, 0.0, m_new)
     alpha = jnp.exp2(m - m_use)
@@ -283,11 +273,7 @@ def _stats_kernel(q_ref, k_ref, v_ref, do_ref, dlse_ref, mask_ref, bias_ref,
   carry = (jnp.zeros((block_q, h), jnp.float32),
            jnp.full((block_q,), -_INF, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
-  masked = functools.partial(body, masked=True)
-  carry = lax.fori_loop(blo, fblo, masked, carry)
-  carry = lax.fori_loop(fblo, fbhi, functools.partial(body, masked=False),
-                        carry)
-  acc, m, l = lax.fori_loop(fbhi, bhi, masked, carry)
+  acc, m, l = _visit(blocks, body, carry)
   seen = (l > 0) & (rows < q_len)
   l_safe = jnp.where(seen, l, 1.0)
   delta = jnp.sum(acc * do_ref[...].astype(jnp.float32), axis=1) / l_safe
@@ -313,8 +299,8 @@ def _dkdv_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_ref,
   j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q_len, kv_len = ql_ref[...], kl_ref[...]
   k_first = j * block_k
-  blo, fblo, fbhi, bhi = _query_blocks(spec, k_first, block_k, q_len, kv_len,
-                                       block_q, num_q_blocks, all_masked)
+  blocks = _query_blocks(spec, k_first, block_k, q_len, kv_len, block_q,
+                         num_q_blocks, all_masked)
   k = k_ref[...]
   v = v_ref[...]
   k_scale = ks_ref[...] if int8 else None
@@ -367,11 +353,7 @@ def _dkdv_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_ref,
     return dk, dv
 
   def head(g, carry):
-    masked = functools.partial(step, g, masked=True)
-    carry = lax.fori_loop(blo, fblo, masked, carry)
-    carry = lax.fori_loop(fblo, fbhi, functools.partial(step, g, masked=False),
-                          carry)
-    return lax.fori_loop(fbhi, bhi, masked, carry)
+    return _visit(blocks, functools.partial(step, g), carry)
 
   h = k_ref.shape[-1]
   zeros = jnp.zeros((block_k, h), jnp.float32)
@@ -407,8 +389,8 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
   i = q_block_of(pl.program_id(0))
   q_len, kv_len = ql_ref[...], kl_ref[...]
   q_first = i * block_q
-  blo, fblo, fbhi, bhi = _key_blocks(spec, q_first, block_q, q_len, kv_len,
-                                     block_k, num_kv_blocks, all_masked)
+  blocks = _key_blocks(spec, q_first, block_q, q_len, kv_len, block_k,
+                       num_kv_blocks, all_masked)
   q = q_ref[...]
   q_scale = qs_ref[...] if int8 else None
   do = do_ref[...]
@@ -418,17 +400,9 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
   c = sm_scale * quant.LOG2E
 
   def body(j, dq, masked: bool):
-    start = pl.multiple_of(j * block_k, block_k)
-    k = k_ref[pl.ds(start, block_k), :]
-    v = v_ref[pl.ds(start, block_k), :]
-    k_scale = ks_ref[pl.ds(start, block_k)] if int8 else None
-    bias = None if bias_ref is None else bias_ref[:, pl.ds(start, block_k)]
-    ok = None
-    if masked:
-      mask = None if mask_ref is None else mask_ref[:, pl.ds(start, block_k)]
-      ok = _visible(spec, rows, start + jnp.arange(block_k), q_len, kv_len,
-                    mask)
-    s = _logits(q, k, q_scale, k_scale, c, bias, ok)
+    (k, k_scale), v, s = _key_tile(j, block_k, q, q_scale, k_ref, ks_ref,
+                                   v_ref, c, bias_ref, mask_ref, spec, rows,
+                                   q_len, kv_len, masked)
     p = jnp.exp2(s - lse2[:, None])
     dp = _dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
@@ -438,11 +412,8 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
           ds_scale * jnp.max(k_scale))
     return dq + _dot(ds.astype(k.dtype), k)
 
-  dq = jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32)
-  masked = functools.partial(body, masked=True)
-  dq = lax.fori_loop(blo, fblo, masked, dq)
-  dq = lax.fori_loop(fblo, fbhi, functools.partial(body, masked=False), dq)
-  dq = lax.fori_loop(fbhi, bhi, masked, dq)
+  dq = _visit(blocks, body, jnp.zeros((block_q, q_ref.shape[-1]),
+                                      jnp.float32))
   if dlse_ref is not None:  # Σ_j dS_ij = dLSE_i: the K mean's share
     dlse = jnp.where(lse2 < _INF, dlse_ref[...], 0.0)
     dq = dq + dlse[:, None] * kbar_ref[...][None, :]
