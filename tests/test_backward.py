@@ -20,7 +20,9 @@ import pytest
 import sagejax
 from sagejax import PRESETS, _inputs, _vjp, backends, testing
 from sagejax.backends import pallas_triton, xla
+from sagejax.kernels._common import q_block_range
 from sagejax.kernels.triton_backward import BackwardTiling
+from sagejax.masks import MaskSpec
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.gpu
@@ -136,6 +138,32 @@ def test_kernel_backward_matches_exact(name, shape, layout, kw, qkv,
     rows = rows[:, :, None, None] if layout == "BTNH" else rows[:, None, :,
                                                                  None]
     np.testing.assert_array_equal(jnp.where(rows, got[0], 0), 0)
+
+
+def test_query_block_range_matches_mask_rule():
+  """Visited query blocks hold every row that sees a key of the KV block;
+  unmasked ones only rows that see all of its keys."""
+  rng = np.random.default_rng(0)
+  for _ in range(40):
+    t, s = int(rng.integers(1, 700)), int(rng.integers(1, 700))
+    window = (None if rng.integers(2) else
+              (int(rng.integers(0, 300)), int(rng.integers(0, 300))))
+    spec = MaskSpec(bool(rng.integers(2)),
+                    ("top_left", "bottom_right")[int(rng.integers(2))],
+                    window, t, s)
+    q_len, kv_len = int(rng.integers(1, t + 1)), int(rng.integers(1, s + 1))
+    bq, cols = 64, 128
+    nq = -(-t // bq)
+    for first in range(0, s, cols):
+      lo, flo, fhi, hi = (int(x) for x in q_block_range(
+          spec, first, min(first + cols, kv_len) - 1, q_len, kv_len, bq, nq))
+      vis = np.asarray(spec.visible_at(np.arange(nq * bq)[:, None],
+                                       np.arange(first, first + cols)[None],
+                                       q_len, kv_len))
+      seen = vis.reshape(nq, bq, cols).any(axis=(1, 2))
+      assert not seen[:lo].any() and not seen[hi:].any()
+      for blk in range(flo, fhi):
+        assert vis[blk * bq:(blk + 1) * bq, :min(cols, kv_len - first)].all()
 
 
 def test_dq_by_atomics_matches_dq_kernel(qkv, next_key):
