@@ -282,7 +282,10 @@ class _PallasTritonBackend:
 
   def backward_unsupported(self, call: ParsedCall, config: SageConfig
                            ) -> Optional[str]:
-    del call, config  # every call the forward serves
+    del config
+    if getattr(call, "logits_soft_cap", None) is not None:
+      return ("the backward kernels do not apply a logit soft cap; the 'xla' "
+              "backward does")
     return None
 
   def backward(self, call: ParsedCall, config: SageConfig, d_out: jax.Array,
