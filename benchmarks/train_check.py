@@ -47,7 +47,7 @@ from sagejax.bench.timing import TimingConfig, time_calls
 from sagejax.kernels.triton_backward import BackwardTiling
 
 START = time.perf_counter()
-BUDGET_S = 390.0  # leave room for the report under the 7-minute limit
+BUDGET_S = 360.0  # one compile + timing past it stays under 7 minutes
 SAGE = PRESETS["sage2-8b"]
 TIMING = TimingConfig(repeats=5, target_s=0.12, min_calls=3, max_calls=40)
 
@@ -162,6 +162,10 @@ def check(results, quick):
         config, tiles = VARIANTS[name]
         row = {"shape": [b, s, n, kh, h, causal], "extra": extra,
                "data": kind, "variant": name}
+        if elapsed() > BUDGET_S * 0.4:
+          row["status"] = "skipped: time budget"
+          results.append(row)
+          continue
         try:
           with backward_tiling(default_tiling(h, **tiles) if tiles else None):
             fn = jax.jit(sage_step(config, causal, **kw))
@@ -252,8 +256,9 @@ def time_one(name, fn, tiling, args, b, n, s, h, causal):
 
 def speed(results, quick):
   shapes = QUICK_SHAPES if quick else TIME_SHAPES
+  extra = ["atomic-dq", "fwd:cudnn", "fwd:sage2-8b"] if quick else EXTRA
   b, n = 2, 32
-  for group in (CORE, EXTRA):
+  for group in (CORE, extra):
     for h, s, causal in shapes:
       if elapsed() > BUDGET_S * (0.8 if group is CORE else 0.9):
         results.extend({"variant": v, "H": h, "S": s, "causal": causal,
@@ -261,6 +266,10 @@ def speed(results, quick):
         continue
       args = inputs(b, s, n, n, h)
       for name in group:
+        if elapsed() > BUDGET_S:
+          results.append({"variant": name, "H": h, "S": s, "causal": causal,
+                          "status": "skipped: time budget"})
+          continue
         fn, tiling = build(name, h, causal)
         results.append(time_one(name, fn, tiling, args, b, n, s, h, causal))
       del args
