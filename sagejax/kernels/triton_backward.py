@@ -176,7 +176,7 @@ def _quantize_tile(x: jax.Array, interpret: bool):
   """INT8 with one scale for the whole tile: (values, scale)."""
   amax = _tile_max(jnp.abs(x))
   scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-  v = jnp.clip(round_half_even(x / scale, interpret), -127.0, 127.0)
+  v = jnp.clip(round_half_even(x * (1.0 / scale), interpret), -127.0, 127.0)
   return v.astype(jnp.int8), scale
 
 
