@@ -60,7 +60,7 @@ def _sage_attention_bwd(static, res, cotangents):
   d_out, d_lse = cotangents
   call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
   backend = backends.backward_of(static.backend, call, static.config)
-  if backend is not None:  # the kernel backward of the forward's backend
+  if backend is not None:  # a kernel backward (backends.backward_of)
     dq, dk, dv, dbias = backend.backward(call, static.config, d_out, d_lse,
                                          saved)
     return dq, dk, dv, dbias, None, None, None
@@ -137,12 +137,13 @@ def attention(
 
   Gradients: under ``jax.grad`` the backward is that of *exact* attention at
   the same inputs (quantizers are straight-through), blockwise
-  (FlashAttention-2 style, no S×S matrix). The backend that ran the forward
-  runs it when it has a backward (``"pallas"``: Triton kernels, 16-bit
-  tensor-core products with FP32 accumulation, softmax statistics recomputed
-  exactly or taken from the forward as ``config.backward_stats`` says, INT8
-  with ``config.backward_int8``); otherwise the ``"xla"`` backward, FP32 with
-  exactly recomputed statistics. Gradients flow to ``query``, ``key``,
+  (FlashAttention-2 style, no S×S matrix). After a kernel forward a kernel
+  backward runs it — the forward backend's own, else another available
+  one's (``"pallas"``: Triton kernels, 16-bit tensor-core products with FP32
+  accumulation, softmax statistics recomputed exactly or taken from the
+  forward as ``config.backward_stats`` says, INT8 with
+  ``config.backward_int8``); otherwise, and always after an ``"xla"``
+  forward, the ``"xla"`` backward: FP32 with exactly recomputed statistics. Gradients flow to ``query``, ``key``,
   ``value``, ``bias`` and through the returned LSE.
   """
   cfg = resolve_config(config)
