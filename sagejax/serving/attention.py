@@ -1,0 +1,361 @@
+"""``decode_attention`` and ``extend_attention`` over a :class:`PagedKVCache`.
+
+Both attend the newest tokens of each sequence (already appended with
+:func:`sagejax.serving.append`) to all of the sequence's cached tokens,
+causal with the diagonal at the bottom right (token ``i`` of a sequence sees
+its tokens ``j <= i``), with GQA, an optional sliding window and logit
+soft-cap. ``implementation="pallas"`` runs :mod:`sagejax.serving.triton_paged`
+(NVIDIA sm80+), ``"xla"`` :mod:`sagejax.serving.reference` (anywhere), None
+the first that serves the call.
+"""
+
+from __future__ import annotations
+
+import functools
+import math as _math
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sagejax.config import ConfigLike, SageConfig, resolve_config
+from sagejax.serving import reference, triton_paged
+from sagejax.serving.cache import PagedKVCache, _is_concrete
+from sagejax.serving.reference import PagedMath
+from sagejax.serving.triton_paged import PagedTiling
+
+IMPLEMENTATIONS = ("pallas", "xla")
+
+SERVING_CONFIG = SageConfig(qk_granularity="per_token", pv_dtype="fp16")
+"""The default: INT8 Q·Kᵀ (Q per row, K per token), FP16 P·V with the FP8 V
+values (exact in FP16); FP8 P (``pv_dtype="fp8_e4m3"``) is no faster on the
+FP16 tensor cores the kernel multiplies on, and adds P's rounding."""
+
+# Programs the split count aims at (about two per SM of an H100/H200).
+_TARGET_PROGRAMS = 264
+
+
+def default_tiling(page_size: int, decode: bool) -> PagedTiling:
+  """Decode: one query token per program, split keys; extend: 32 tokens."""
+  bk = max(64, page_size)
+  if decode:
+    return PagedTiling(block_q=1, block_k=bk, num_warps=4, num_stages=3)
+  return PagedTiling(block_q=32, block_k=bk, num_warps=4, num_stages=2)
+
+
+def _resolve_config(config: ConfigLike | None, cache: PagedKVCache
+                    ) -> SageConfig:
+  config = SERVING_CONFIG if config is None else resolve_config(config)
+  if cache.quantized and config.qk_dtype != "int8":
+    raise ValueError(f"the cache stores INT8 K, so Q·Kᵀ runs in INT8; pass a "
+                     f"config with qk_dtype='int8', not {config.qk_dtype!r}.")
+  if config.smooth_q:
+    raise ValueError("paged attention does not smooth Q (the cache's K "
+                     "smoothing is built in); pass smooth_q=False.")
+  return config
+
+
+def _pallas_unsupported(q: jax.Array, cache: PagedKVCache,
+                        math: PagedMath) -> Optional[str]:
+  h = cache.head_dim
+  if h < 32 or h & (h - 1):
+    return f"head dim {h} is not a power of two >= 32"
+  if math.sm_scale <= 0:
+    return "the kernel needs a positive scale"
+  return None
+
+
+def _pallas_available() -> bool:
+  from sagejax.backends import pallas_triton  # pylint: disable=g-import-not-at-top
+  return pallas_triton.BACKEND.available()
+
+
+def _select(implementation: Optional[str], interpret: bool, q, cache, math
+            ) -> str:
+  if implementation not in (None,) + IMPLEMENTATIONS:
+    raise ValueError(f"Unknown implementation {implementation!r}: pass one of "
+                     f"{IMPLEMENTATIONS} or None (pick automatically).")
+  reason = _pallas_unsupported(q, cache, math)
+  if implementation == "pallas":
+    if reason is not None:
+      raise ValueError(f"implementation='pallas' cannot serve this call: "
+                       f"{reason}. Pass implementation='xla'.")
+    if not interpret and not _pallas_available():
+      raise ValueError(f"implementation='pallas' is not available on this "
+                       f"machine ({jax.default_backend()}); pass "
+                       "implementation=None or 'xla', or interpret=True.")
+    return "pallas"
+  if implementation is None and reason is None and (
+      interpret or _pallas_available()):
+    return "pallas"
+  return "xla"
+
+
+def _window(local_window_size) -> Optional[int]:
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, Sequence):
+    local_window_size = local_window_size[0]
+  if not isinstance(local_window_size, (int, np.integer)) or (
+      local_window_size < 0):
+    raise ValueError(f"local_window_size must be an int >= 0 (keys within "
+                     f"that many positions before the query), got "
+                     f"{local_window_size!r}.")
+  return int(local_window_size)
+
+
+def _check(q, cache: PagedKVCache, page_table, lengths, q_lengths,
+           cu_seqlens, t_cap: int) -> None:
+  """Shape checks always; value checks on concrete inputs."""
+  if not isinstance(cache, PagedKVCache):
+    raise TypeError(f"cache must be a PagedKVCache, got "
+                    f"{type(cache).__name__}.")
+  if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16),
+                                jnp.dtype(jnp.bfloat16),
+                                jnp.dtype(jnp.float32)):
+    raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}.")
+  n, h = q.shape[-2:]
+  kh = cache.num_kv_heads
+  if h != cache.head_dim:
+    raise ValueError(f"q's head dim {h} differs from the cache's "
+                     f"{cache.head_dim}.")
+  if n % kh:
+    raise ValueError(f"q's {n} heads are not a multiple of the cache's {kh} "
+                     "KV heads.")
+  if page_table.ndim != 2 or lengths.ndim != 1 or (
+      page_table.shape[0] != lengths.shape[0]):
+    raise ValueError(f"page_table must be int32 [B, max_pages] and lengths "
+                     f"int32 [B]; got {page_table.shape}, {lengths.shape}.")
+  b = lengths.shape[0]
+  if cu_seqlens is None and q.shape[0] != b:
+    raise ValueError(f"q has batch {q.shape[0]}, lengths {b}.")
+  if cu_seqlens is not None and cu_seqlens.shape != (b + 1,):
+    raise ValueError(f"cu_seqlens must be int32 [B + 1] = [{b + 1}], got "
+                     f"{cu_seqlens.shape}.")
+  if q_lengths is not None and q_lengths.shape != (b,):
+    raise ValueError(f"q_lengths must be int32 [B] = [{b}], got "
+                     f"{q_lengths.shape}.")
+  if not _is_concrete(page_table, lengths, q_lengths, cu_seqlens):
+    return
+  table = np.asarray(page_table)
+  kv = np.asarray(lengths).astype(np.int64)
+  capacity = table.shape[1] * cache.page_size
+  if np.any(kv < 0) or np.any(kv > capacity):
+    raise ValueError(f"lengths must be within [0, max_pages * page_size = "
+                     f"{capacity}] (what the page table can hold), got "
+                     f"{kv.tolist()}.")
+  if cu_seqlens is not None:
+    cu = np.asarray(cu_seqlens).astype(np.int64)
+    if np.any(np.diff(cu) < 0) or cu[0] < 0 or cu[-1] > q.shape[0]:
+      raise ValueError(f"cu_seqlens must be non-decreasing within [0, "
+                       f"{q.shape[0]}], got {cu.tolist()}.")
+    ql = np.diff(cu)
+    if np.any(ql > t_cap):
+      raise ValueError(f"a sequence has {ql.max()} query tokens, more than "
+                       f"max_q_len={t_cap}.")
+  elif q_lengths is not None:
+    ql = np.asarray(q_lengths).astype(np.int64)
+    if np.any(ql < 0) or np.any(ql > t_cap):
+      raise ValueError(f"q_lengths must be within [0, T={t_cap}], got "
+                       f"{ql.tolist()}.")
+  else:
+    ql = np.full((b,), t_cap)
+  over = np.nonzero(ql > kv)[0]
+  if over.size:
+    raise ValueError(f"sequence {over[0]} has {ql[over[0]]} query tokens but "
+                     f"only {kv[over[0]]} cached tokens; append its new "
+                     "tokens before attending.")
+  for i in range(b):
+    used = table[i, :-(-kv[i] // cache.page_size)]
+    outside = (used < 0) | (used >= cache.num_pages)
+    if np.any(outside):
+      raise ValueError(f"page_table[{i}] names page {used[outside][0]} "
+                       f"outside the pool [0, {cache.num_pages}).")
+
+
+def _num_splits(tiling: PagedTiling, programs: int, max_pages: int,
+                page_size: int) -> int:
+  if tiling.num_splits is not None:
+    return tiling.num_splits
+  blocks = -(-max_pages * page_size // max(tiling.block_k, page_size))
+  return int(max(1, min(blocks, -(-_TARGET_PROGRAMS // max(programs, 1)))))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "math", "implementation", "tiling", "interpret", "t_cap", "packed"))
+def _paged(q, cache, page_table, lengths, q_len, cu_seqlens, *,
+           math: PagedMath, implementation: str, tiling: PagedTiling,
+           interpret: bool, t_cap: int, packed: bool):
+  """Core: q ``[B, T, N, H]`` (padded) or ``[rows, N, H]`` (packed)."""
+  b = lengths.shape[0]
+  n, h = q.shape[-2:]
+  kv_len = lengths.astype(jnp.int32)
+  page_table = page_table.astype(jnp.int32)
+  if packed:
+    cu = cu_seqlens.astype(jnp.int32)
+    q_start, q_len = cu[:-1], cu[1:] - cu[:-1]
+    q_cap = q_len
+    rows = q
+  else:
+    q_start = jnp.arange(b, dtype=jnp.int32) * t_cap
+    q_cap = jnp.full((b,), t_cap, jnp.int32)
+    q_len = q_cap if q_len is None else q_len.astype(jnp.int32)
+    rows = q.reshape(b * t_cap, n, h)
+
+  if implementation == "xla":
+    if packed:
+      idx = q_start[:, None] + jnp.arange(t_cap)[None, :]
+      qp = rows[jnp.clip(idx, 0, rows.shape[0] - 1)]
+      out = reference.paged_attention(qp, q_len, cache, page_table, kv_len,
+                                      math)
+      seq, tok, valid = _packed_rows(cu, b, rows.shape[0])
+      out = jnp.where(valid[:, None, None], out[seq, jnp.clip(tok, 0, t_cap - 1)],
+                      0.0)
+      return out.astype(q.dtype)
+    out = reference.paged_attention(q, q_len, cache, page_table, kv_len, math)
+    return out.astype(q.dtype)
+
+  bt = tiling.block_q
+  nq = -(-t_cap // bt)
+  splits = _num_splits(tiling, b * cache.num_kv_heads * nq,
+                       page_table.shape[1], cache.page_size)
+  res = triton_paged.paged_attention(
+      rows, q_start, q_len, q_cap, kv_len, cache, page_table, math,
+      num_q_blocks=nq, tiling=tiling, num_splits=splits, out_dtype=q.dtype,
+      interpret=interpret)
+  if splits == 1:
+    out = res[0]
+  else:
+    out = triton_paged.merge_splits(res[0], res[1], cache.v_smooth, q.dtype)
+  if packed:  # rows past cu_seqlens[-1] belong to no sequence
+    out = jnp.where((jnp.arange(rows.shape[0]) < cu[-1])[:, None, None], out,
+                    jnp.zeros((), out.dtype))
+    return out
+  return out.reshape(q.shape)
+
+
+def _packed_rows(cu, b, total):
+  from sagejax.serving.cache import token_rows  # pylint: disable=g-import-not-at-top
+  return token_rows(b, total, None, cu)
+
+
+def extend_attention(
+    q: jax.Array, cache: PagedKVCache, page_table: jax.Array,
+    lengths: jax.Array, *, q_lengths: Optional[jax.Array] = None,
+    cu_seqlens: Optional[jax.Array] = None, max_q_len: Optional[int] = None,
+    scale: Optional[float] = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: Optional[float] = None,
+    config: ConfigLike | None = None, implementation: Optional[str] = None,
+    tiling: Optional[PagedTiling] = None, interpret: bool = False
+) -> jax.Array:
+  """Attention of each sequence's newest tokens to all its cached tokens.
+
+  Prefix caching and chunked prefill (SGLang's *extend*): sequence b holds
+  ``lengths[b]`` tokens in the cache (its new ones already appended), and its
+  queries are the last ``q_lengths[b]`` of them, causal with the diagonal at
+  the bottom right.
+
+  Args:
+    q: ``[B, T, N, H]`` (padded: sequence b's queries are its first
+      ``q_lengths[b]`` rows, default T), or packed ``[rows, N, H]`` with
+      ``cu_seqlens`` (sequence b's queries are rows ``[cu_seqlens[b],
+      cu_seqlens[b + 1])``, SGLang's ``qo_indptr``).
+    cache: the :class:`PagedKVCache`; N a multiple of its KV heads (GQA).
+    page_table: int32 ``[B, max_pages]``.
+    lengths: int32 ``[B]``, cached tokens per sequence (including the new).
+    q_lengths: int32 ``[B]``, padded form only.
+    cu_seqlens: int32 ``[B + 1]``, packed form only.
+    max_q_len: packed form: the most query tokens of any sequence (static;
+      default all rows); bounds the kernel's grid.
+    scale: logit scale, default ``1/sqrt(H)``.
+    local_window_size: ``w``: a query at position p sees keys ``[p − w, p]``
+      (a tuple's first entry is taken; the diagonal bounds the right side).
+    logits_soft_cap: ``c``: logits become ``c·tanh(logits / c)`` (after the
+      scale).
+    config: with a quantized cache, how Q·Kᵀ and P·V are computed
+      (:class:`sagejax.SageConfig`; ``qk_dtype`` must be int8; Q is quantized
+      per (token, head) row whatever the granularity; ``pv_dtype`` rounds P).
+      Default :data:`SERVING_CONFIG`. A plain cache computes in its dtype.
+    implementation: ``"pallas"``, ``"xla"``, or None (fastest available).
+    tiling: kernel tiles (:class:`PagedTiling`); default by page size.
+    interpret: run the Pallas kernel in the interpreter (tests, CPU).
+
+  Returns:
+    Same shape and dtype as ``q``; padding rows are zeros. A sequence whose
+    lengths are out of range or whose page table names a page outside the
+    pool gives NaN (under ``jit``; concrete bad inputs raise ``ValueError``),
+    reading nothing of any other sequence's result.
+  """
+  packed = cu_seqlens is not None
+  if packed:
+    if q.ndim != 3:
+      raise ValueError(f"with cu_seqlens, q must be [rows, N, H], got "
+                       f"{q.shape}.")
+    if q_lengths is not None:
+      raise ValueError("pass q_lengths (padded q) or cu_seqlens (packed q), "
+                       "not both.")
+    t_cap = q.shape[0] if max_q_len is None else int(max_q_len)
+  else:
+    if q.ndim != 4:
+      raise ValueError(f"q must be [B, T, N, H] (or [rows, N, H] with "
+                       f"cu_seqlens), got {q.shape}.")
+    t_cap = q.shape[1]
+  _check(q, cache, page_table, lengths, q_lengths, cu_seqlens, t_cap)
+  return _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens,
+                 decode=False, t_cap=t_cap, packed=packed, scale=scale,
+                 local_window_size=local_window_size,
+                 logits_soft_cap=logits_soft_cap, config=config,
+                 implementation=implementation, tiling=tiling,
+                 interpret=interpret)
+
+
+def decode_attention(
+    q: jax.Array, cache: PagedKVCache, page_table: jax.Array,
+    lengths: jax.Array, *, scale: Optional[float] = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: Optional[float] = None,
+    config: ConfigLike | None = None, implementation: Optional[str] = None,
+    tiling: Optional[PagedTiling] = None, interpret: bool = False
+) -> jax.Array:
+  """One query token per sequence against its ``lengths[b]`` cached tokens.
+
+  ``q`` is ``[B, N, H]``: the newest token of each sequence (already
+  appended, so it sees itself). Split-KV flash-decoding: several programs
+  share a sequence's pages and their partial outputs are merged by LSE. The
+  other arguments are :func:`extend_attention`'s. Returns ``[B, N, H]`` in
+  q's dtype.
+  """
+  if q.ndim != 3:
+    raise ValueError(f"q must be [B, N, H], got {q.shape}; use "
+                     "extend_attention for several tokens.")
+  _check(q[:, None], cache, page_table, lengths, None, None, 1)
+  out = _attend(q[:, None], cache, page_table, lengths, None, None,
+                decode=True, t_cap=1, packed=False, scale=scale,
+                local_window_size=local_window_size,
+                logits_soft_cap=logits_soft_cap, config=config,
+                implementation=implementation, tiling=tiling,
+                interpret=interpret)
+  return out[:, 0]
+
+
+def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
+            t_cap, packed, scale, local_window_size, logits_soft_cap, config,
+            implementation, tiling, interpret):
+  config = _resolve_config(config, cache)
+  if tiling is None:
+    tiling = default_tiling(cache.page_size, decode)
+  sm_scale = 1.0 / _math.sqrt(cache.head_dim) if scale is None else float(
+      scale)
+  if logits_soft_cap is not None and not logits_soft_cap > 0:
+    raise ValueError(f"logits_soft_cap must be > 0 or None, got "
+                     f"{logits_soft_cap!r}.")
+  math = PagedMath(
+      sm_scale=sm_scale, window=_window(local_window_size),
+      soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+      pv_dtype=config.pv_dtype, block_k=max(tiling.block_k, cache.page_size))
+  impl = _select(implementation, interpret, q, cache, math)
+  return _paged(q, cache, page_table, lengths, q_lengths, cu_seqlens,
+                math=math, implementation=impl, tiling=tiling,
+                interpret=interpret, t_cap=t_cap, packed=packed)
