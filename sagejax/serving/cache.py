@@ -159,22 +159,12 @@ class PagedKVCache:
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}.")
     shape = (num_kv_heads, num_pages, page_size, head_dim)
-    if not quantized:
-      if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16),
-                                  jnp.dtype(jnp.bfloat16),
-                                  jnp.dtype(jnp.float32)):
-        raise ValueError(f"dtype must be float16, bfloat16 or float32, got "
-                         f"{jnp.dtype(dtype)}.")
-      return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-    smooth_state = {}
-    if smooth:
-      smooth_state = dict(
-          k_smooth=jnp.zeros((num_kv_heads, head_dim), jnp.float32),
-          v_smooth=jnp.zeros((num_kv_heads, head_dim), jnp.float32),
-          smooth_fixed=jnp.zeros((), jnp.bool_))
-    return cls(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, quant.FP8_DTYPE),
-               jnp.ones(shape[:-1], jnp.float32),
-               jnp.ones(shape[:-1], jnp.float32), **smooth_state)
+    if not quantized and jnp.dtype(dtype) not in (jnp.dtype(jnp.float16),
+                                                  jnp.dtype(jnp.bfloat16),
+                                                  jnp.dtype(jnp.float32)):
+      raise ValueError(f"dtype must be float16, bfloat16 or float32, got "
+                       f"{jnp.dtype(dtype)}.")
+    return _empty(cls, shape, quantized, jnp.dtype(dtype), smooth)
 
   @classmethod
   def from_contiguous(cls, k: jax.Array, v: jax.Array,
@@ -262,6 +252,22 @@ class PagedKVCache:
     else:
       x = x[pages]
     return x.reshape(x.shape[:1] + (-1,) + x.shape[3:])
+
+
+@functools.partial(jax.jit, static_argnums=range(5))
+def _empty(cls, shape, quantized, dtype, smooth) -> PagedKVCache:
+  """The arrays of an empty cache, made on the device in one program."""
+  if not quantized:
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+  smooth_state = {}
+  if smooth:
+    smooth_state = dict(
+        k_smooth=jnp.zeros((shape[0], shape[-1]), jnp.float32),
+        v_smooth=jnp.zeros((shape[0], shape[-1]), jnp.float32),
+        smooth_fixed=jnp.zeros((), jnp.bool_))
+  return cls(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, quant.FP8_DTYPE),
+             jnp.ones(shape[:-1], jnp.float32),
+             jnp.ones(shape[:-1], jnp.float32), **smooth_state)
 
 
 # ----------------------------------------------------------------------------
@@ -384,14 +390,15 @@ def append(cache: PagedKVCache, k: jax.Array, v: jax.Array,
   such tokens are not written at all (no other page is touched).
   """
   _check_append(cache, k, v, page_table, positions, num_new, cu_seqlens)
-  return _append(cache, k, v, page_table.astype(jnp.int32),
-                 positions.astype(jnp.int32), num_new, cu_seqlens)
+  return _append(cache, k, v, page_table, positions, num_new, cu_seqlens)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _append(cache: PagedKVCache, k, v, page_table, positions, num_new,
             cu_seqlens) -> PagedKVCache:
   b, max_pages = page_table.shape
+  page_table, positions = page_table.astype(jnp.int32), positions.astype(
+      jnp.int32)
   ps = cache.page_size
   kh, h = cache.num_kv_heads, cache.head_dim
   rows_k = k.reshape(-1, kh, h)

@@ -168,8 +168,9 @@ def paged_attention(q: jax.Array, q_len: jax.Array, cache: PagedKVCache,
   if cache.quantized:
     vs = jnp.where(key_ok[..., None], cache.gather("v_scales", pages), 0.0)
     bk = math.block_k
-    c = jnp.max(vs.reshape(b, -1, bk, kh), axis=2)          # [B, S/bk, K]
-    c = jnp.repeat(jnp.where(c > 0, c, 1.0), bk, axis=1)    # [B, S, K]
+    padded = jnp.pad(vs, ((0, 0), (0, -s % bk), (0, 0)))
+    c = jnp.max(padded.reshape(b, -1, bk, kh), axis=2)      # [B, S/bk, K]
+    c = jnp.repeat(jnp.where(c > 0, c, 1.0), bk, axis=1)[:, :s]   # [B, S, K]
     c = jnp.moveaxis(c, 1, 2)[:, :, None, None]              # [B, K, 1, 1, S]
     pv = round_pv(p * jnp.moveaxis(vs, 1, 2)[:, :, None, None] / c,
                   math.pv_dtype)

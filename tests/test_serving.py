@@ -1,0 +1,449 @@
+"""sagejax.serving: the paged cache, decode and extend attention.
+
+Every check builds a cache from random tokens through ``serving.append``
+(shuffled pages, a prefix shared by two sequences, partly filled last pages)
+and compares against dense attention over the same tokens, computed here in
+f32 (``_dense``: causal bottom-right, window, soft-cap). The Pallas kernel
+runs in the interpreter on small shapes and is lowered for CUDA.
+
+Tolerances (rel-L2 over the valid rows; measured values in brackets):
+
+* plain f32 cache, both implementations, vs dense: 1e-5 [~1e-7].
+* quantized cache, kernel vs ``"xla"``: 1e-3 [~5e-6]: the same arithmetic,
+  with a running max (where P' is rounded) and another f32 summation order.
+* quantized cache vs dense over its *dequantized* tokens: 0.03 on N(0, 1)
+  queries (INT8 Q per row, FP16 P') [~0.01], vs dense over the original
+  tokens on channel-bias data: 0.01 [~2e-3].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sagejax import serving, testing
+from sagejax.serving import cache as cache_lib
+from sagejax.serving.reference import PagedMath
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+IMPLS = [("xla", False), ("pallas", True)]     # (implementation, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "cap"))
+def _dense(q, k, v, q_len, kv_len, window=None, cap=None):
+  """f32 attention of q ``[B, T, N, H]`` (the last q_len of kv_len tokens,
+  bottom-right causal) over k, v ``[B, S, K, H]``; padding rows zero."""
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  scale = h ** -0.5
+  logits = jnp.einsum("btkgh,bskh->bkgts",
+                      q.reshape(b, t, kh, n // kh, h).astype(jnp.float32),
+                      k.astype(jnp.float32), precision="highest") * scale
+  if cap is not None:
+    logits = cap * jnp.tanh(logits / cap)
+  i = jnp.arange(t)[None, :, None]
+  j = jnp.arange(s)[None, None, :]
+  pos = i + (kv_len - q_len)[:, None, None]
+  visible = (j <= pos) & (j < kv_len[:, None, None]) & (
+      i < q_len[:, None, None])
+  if window is not None:
+    visible &= j >= pos - window
+  visible = visible[:, None, None]
+  logits = jnp.where(visible, logits, -jnp.inf)
+  m = jnp.max(logits, -1, keepdims=True)
+  p = jnp.where(visible, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0)),
+                0.0)
+  l = jnp.sum(p, -1, keepdims=True)
+  out = jnp.einsum("bkgts,bskh->btkgh", p / jnp.where(l > 0, l, 1.0),
+                   v.astype(jnp.float32), precision="highest")
+  return out.reshape(b, t, n, h)
+
+
+def _append_range(cache, k, v, table, start, stop):
+  """Appends tokens ``[start[b], stop[b])`` of each sequence of k, v (numpy
+  ``[B, S, K, H]``)."""
+  start, stop = np.asarray(start), np.asarray(stop)
+  width = max(1, int((stop - start).max()))
+  idx = np.minimum(start[:, None] + np.arange(width)[None, :], k.shape[1] - 1)
+  rows = np.arange(k.shape[0])[:, None]
+  return serving.append(cache, jnp.asarray(k[rows, idx]),
+                        jnp.asarray(v[rows, idx]), jnp.asarray(table),
+                        jnp.asarray(start, jnp.int32),
+                        num_new=jnp.asarray(stop - start, jnp.int32))
+
+
+def _tokens(key, b, t, s, n, kh, h, kind):
+  """q ``[B, T, N, H]``, k and v ``[B, S, K, H]`` (numpy f32): N(0, 1) plus
+  the per-(head, channel) offsets of ``sagejax.testing``'s data ``kind``,
+  drawn by numpy from the fresh ``key`` (no compilation)."""
+  rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
+  out = []
+  for name, shape in (("q", (b, t, n, h)), ("k", (b, s, kh, h)),
+                      ("v", (b, s, kh, h))):
+    x = rng.standard_normal(shape, np.float32)
+    offset = testing.CHANNEL_BIAS[kind][name]
+    if offset:
+      x += offset * rng.standard_normal((1, 1) + shape[2:], np.float32)
+    out.append(x)
+  return out
+
+
+def _scenario(key, kv_len, q_len, *, kh=2, g=4, h=64, ps=16, quantized=True,
+              kind="channel_bias", t=None, extra_pages=3):
+  """Random tokens in a cache with shuffled pages; sequence 1 reuses the
+  first cached pages of sequence 0 (a shared prefix: same tokens, same
+  pages). The last ``q_len`` tokens of each sequence are appended in a second
+  call (the new tokens of an extend step)."""
+  kv_len, q_len = np.asarray(kv_len), np.asarray(q_len)
+  b = len(kv_len)
+  t = int(q_len.max()) if t is None else t
+  max_pages = -(-int(kv_len.max()) // ps)
+  s = max_pages * ps
+  q, k, v = _tokens(key, b, t, s, kh * g, kh, h, kind)
+  pool = b * max_pages + extra_pages
+  table = np.random.RandomState(int(kv_len.sum())).permutation(pool)[
+      :b * max_pages].reshape(b, max_pages).astype(np.int32)
+  prefix = kv_len - q_len
+  start = np.zeros(b, np.int64)
+  if b > 1:
+    shared = min(prefix[0], prefix[1]) // ps
+    table[1, :shared] = table[0, :shared]
+    k[1, :shared * ps] = k[0, :shared * ps]
+    v[1, :shared * ps] = v[0, :shared * ps]
+    start[1] = shared * ps   # its prefix pages are cached already
+  cache = serving.PagedKVCache.create(
+      num_pages=pool, page_size=ps, num_kv_heads=kh, head_dim=h,
+      quantized=quantized, dtype=jnp.float32)
+  cache = _append_range(cache, k, v, table, np.minimum(start, prefix), prefix)
+  cache = _append_range(cache, k, v, table, prefix, kv_len)
+  return dict(q=jnp.asarray(q), k=jnp.asarray(k), v=jnp.asarray(v),
+              table=jnp.asarray(table), cache=cache,
+              kv_len=jnp.asarray(kv_len, jnp.int32),
+              q_len=jnp.asarray(q_len, jnp.int32))
+
+
+def _dequantized(sc):
+  """The cache's tokens as the kernels see them, f32 ``[B, S, K, H]``."""
+  c, pages = sc["cache"], sc["table"]
+  if not c.quantized:
+    return c.gather("k_pages", pages), c.gather("v_pages", pages)
+  return (cache_lib.dequantize_keys(c.gather("k_pages", pages),
+                                    c.gather("k_scales", pages), c.k_smooth),
+          cache_lib.dequantize_values(c.gather("v_pages", pages),
+                                      c.gather("v_scales", pages),
+                                      c.v_smooth))
+
+
+def _rel(out, ref, valid=None):
+  if valid is not None:
+    out = jnp.where(valid, out, 0.0)
+    ref = jnp.where(valid, ref, 0.0)
+  return testing.error_metrics(out, ref)["rel_l2"]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_decode_matches_dense(next_key, quantized):
+  """Lengths 1, 15, 16, 17, 1000 (pages of 16), GQA 8/2, shared prefix."""
+  lens = [1000, 17, 16, 15, 1]
+  sc = _scenario(next_key(), lens, [1] * 5, h=32, quantized=quantized,
+                 kind="normal")
+  k_deq, v_deq = _dequantized(sc)
+  ones = jnp.ones(5, jnp.int32)
+  exact = _dense(sc["q"], sc["k"], sc["v"], ones, sc["kv_len"])[:, 0]
+  seen = _dense(sc["q"], k_deq, v_deq, ones, sc["kv_len"])[:, 0]
+  outs = {}
+  for impl, interpret in IMPLS:
+    out = serving.decode_attention(sc["q"][:, 0], sc["cache"], sc["table"],
+                                   sc["kv_len"], implementation=impl,
+                                   interpret=interpret)
+    assert out.shape == (5, 8, 32) and out.dtype == jnp.float32
+    outs[impl] = out
+    if quantized:
+      assert _rel(out, seen) < 0.03
+    else:
+      assert _rel(out, exact) < 1e-5
+  assert _rel(outs["pallas"], outs["xla"]) < (1e-3 if quantized else 1e-5)
+
+
+@pytest.mark.parametrize("quantized,window,cap", [(False, None, None),
+                                                  (True, 9, 4.0)])
+def test_extend_padded_and_packed(next_key, quantized, window, cap):
+  """Chunked prefill on cached prefixes: different prefix and new-token
+  counts (padded with q_lengths, and packed with cu_seqlens), GQA with 3
+  query heads per KV head, on channel-bias data."""
+  kv_len, q_len = [70, 40, 16, 9], [12, 16, 16, 1]
+  sc = _scenario(next_key(), kv_len, q_len, g=3, h=32, quantized=quantized)
+  valid = (np.arange(16)[None] < np.asarray(q_len)[:, None])[..., None, None]
+  exact = _dense(sc["q"], sc["k"], sc["v"], sc["q_len"], sc["kv_len"],
+                 window, cap)
+  k_deq, v_deq = _dequantized(sc)
+  seen = _dense(sc["q"], k_deq, v_deq, sc["q_len"], sc["kv_len"], window, cap)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_len)]), jnp.int32)
+  packed_q = jnp.concatenate([sc["q"][b, :n] for b, n in enumerate(q_len)])
+  kw = dict(local_window_size=window, logits_soft_cap=cap,
+            tiling=serving.PagedTiling(block_q=8, block_k=32))
+  outs = {}
+  for impl, interpret in IMPLS:
+    out = serving.extend_attention(
+        sc["q"], sc["cache"], sc["table"], sc["kv_len"], q_lengths=sc["q_len"],
+        implementation=impl, interpret=interpret, **kw)
+    assert not np.any(np.asarray(jnp.where(valid, 0.0, out)))  # padding: 0
+    if quantized:
+      assert _rel(out, exact, valid) < 0.01
+      assert _rel(out, seen, valid) < 0.01
+    else:
+      assert _rel(out, exact, valid) < 1e-5
+    packed = serving.extend_attention(
+        packed_q, sc["cache"], sc["table"], sc["kv_len"], cu_seqlens=cu,
+        max_q_len=16, implementation=impl, interpret=interpret, **kw)
+    want = jnp.concatenate([out[b, :n] for b, n in enumerate(q_len)])
+    assert _rel(packed, want) < 1e-6
+    outs[impl] = out
+  assert _rel(outs["pallas"], outs["xla"]) < (1e-3 if quantized else 1e-5)
+
+
+def test_decode_window_soft_cap_and_pv_dtypes(next_key):
+  """Split-KV decode with a window and soft-cap; FP8 and BF16 P'."""
+  sc = _scenario(next_key(), [200, 129, 64], [1, 1, 1], kh=1, g=8, h=32,
+                 ps=32, kind="qkv_channel_bias")
+  ones = jnp.ones(3, jnp.int32)
+  exact = _dense(sc["q"], sc["k"], sc["v"], ones, sc["kv_len"], 100,
+                 3.0)[:, 0]
+  for pv, tol in (("fp8_e4m3", 0.02), ("bf16", 0.01)):
+    config = serving.SERVING_CONFIG.replace(pv_dtype=pv)
+    outs = [serving.decode_attention(
+        sc["q"][:, 0], sc["cache"], sc["table"], sc["kv_len"],
+        local_window_size=100, logits_soft_cap=3.0, config=config,
+        implementation=impl, interpret=interpret,
+        tiling=serving.PagedTiling(block_k=32, num_splits=3))
+            for impl, interpret in IMPLS]
+    assert _rel(outs[0], exact) < tol
+    assert _rel(outs[1], outs[0]) < 2e-3
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_append_then_decode_equals_whole_sequence(next_key, quantized):
+  """Prefill 11 tokens in one append, then 6 decode steps (append one,
+  attend): each step equals causal attention over the whole sequence."""
+  b, kh, g, h, steps, prompt = 2, 2, 2, 32, 6, 11
+  q, k, v = map(jnp.asarray, _tokens(next_key(), b, prompt + steps,
+                                      prompt + steps, kh * g, kh, h,
+                                      "channel_bias"))
+  table = jnp.asarray([[5, 1], [2, 7]], jnp.int32)
+  cache = serving.PagedKVCache.create(num_pages=8, page_size=16,
+                                      num_kv_heads=kh, head_dim=h,
+                                      quantized=quantized, dtype=jnp.float32)
+  cache = serving.append(cache, k[:, :prompt], v[:, :prompt], table,
+                         jnp.zeros(b, jnp.int32))
+  full = _dense(q, k, v, jnp.full(b, prompt + steps), jnp.full(b, prompt +
+                                                               steps))
+  step = jax.jit(lambda c, q, k, v, t: serving.decode_attention(
+      q, serving.append(c, k, v, table, jnp.full(b, t, jnp.int32)), table,
+      jnp.full(b, t + 1, jnp.int32), implementation="xla"))
+  for t in range(prompt, prompt + steps):
+    out = step(cache, q[:, t], k[:, t:t + 1], v[:, t:t + 1], t)
+    cache = serving.append(cache, k[:, t:t + 1], v[:, t:t + 1], table,
+                           jnp.full(b, t, jnp.int32))
+    assert _rel(out, full[:, t]) < (5e-3 if quantized else 1e-5)
+  out = serving.decode_attention(q[:, -1], cache, table,
+                                 jnp.full(b, prompt + steps, jnp.int32),
+                                 implementation="pallas", interpret=True)
+  assert _rel(out, full[:, -1]) < (5e-3 if quantized else 1e-5)
+
+
+def test_smoothing_is_fixed_by_the_first_append(next_key):
+  _, k, v = map(jnp.asarray, _tokens(next_key(), 2, 1, 20, 2, 2, 32,
+                                      "channel_bias"))
+  table = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+  cache = serving.PagedKVCache.create(num_pages=4, page_size=16,
+                                      num_kv_heads=2, head_dim=32)
+  assert not cache.smooth_fixed
+  cache = serving.append(cache, k[:, :5], v[:, :5], table,
+                         jnp.zeros(2, jnp.int32),
+                         num_new=jnp.asarray([5, 3], jnp.int32))
+  mean = jnp.concatenate([k[0, :5], k[1, :3]]).mean(0)
+  np.testing.assert_allclose(cache.k_smooth, mean, rtol=1e-5, atol=1e-5)
+  assert cache.smooth_fixed
+  before = (np.asarray(cache.k_smooth), np.asarray(cache.v_smooth))
+  cache = serving.append(cache, k[:, 5:], v[:, 5:], table,
+                         jnp.asarray([5, 3], jnp.int32))
+  np.testing.assert_array_equal(cache.k_smooth, before[0])
+  np.testing.assert_array_equal(cache.v_smooth, before[1])
+
+
+def test_quantized_cache_error_on_outlier_data(next_key):
+  """The scheme's error vs a bf16 cache on channel-bias data (the README
+  table has the full-size numbers): smoothing is what keeps it small."""
+  b, s, kh, g, h = 2, 512, 2, 4, 128
+  q, k, v = map(jnp.asarray, _tokens(next_key(), b, 1, s, kh * g, kh, h,
+                                      "channel_bias"))
+  table = jnp.arange(b * s // 16, dtype=jnp.int32).reshape(b, -1)
+  lens = jnp.full((b,), s, jnp.int32)
+  exact = _dense(q, k, v, jnp.ones(b, jnp.int32), lens)[:, 0]
+  err = {}
+  for name, kw in (("bf16", dict(quantized=False, dtype=jnp.bfloat16)),
+                   ("int8/fp8", dict(quantized=True)),
+                   ("unsmoothed", dict(quantized=True, smooth=False))):
+    cache = serving.PagedKVCache.create(num_pages=b * s // 16, page_size=16,
+                                        num_kv_heads=kh, head_dim=h, **kw)
+    cache = serving.append(cache, k, v, table, jnp.zeros(b, jnp.int32))
+    out = serving.decode_attention(q[:, 0], cache, table, lens,
+                                   implementation="xla")
+    err[name] = testing.error_metrics(out, exact)
+  assert err["int8/fp8"]["rel_l1"] < 1e-3, err
+  assert err["unsmoothed"]["rel_l1"] > 3 * err["int8/fp8"]["rel_l1"], err
+  quant_bytes = 2 * (h + 4)           # INT8 K + FP8 V + two f32 scales
+  assert cache.k_pages.nbytes + cache.k_scales.nbytes == (
+      b * s * kh * quant_bytes // 2)
+
+
+# ----------------------------------------------------------------------------
+# Bad input.
+# ----------------------------------------------------------------------------
+
+
+def _small(quantized=True):
+  cache = serving.PagedKVCache.create(num_pages=6, page_size=16,
+                                      num_kv_heads=2, head_dim=32,
+                                      quantized=quantized)
+  table = jnp.asarray([[0, 1], [2, 3], [4, 5]], jnp.int32)
+  return cache, table
+
+
+def test_bad_inputs_raise_outside_jit():
+  cache, table = _small()
+  kv = jnp.ones((3, 4, 2, 32))
+  q = jnp.ones((3, 8, 32))
+  zeros = jnp.zeros(3, jnp.int32)
+  lens = jnp.full(3, 4, jnp.int32)
+  with pytest.raises(ValueError, match="power of two"):
+    serving.PagedKVCache.create(num_pages=4, page_size=12, num_kv_heads=2,
+                                head_dim=32)
+  with pytest.raises(ValueError, match="runs past sequence 1"):
+    serving.append(cache, kv, kv, table, jnp.asarray([0, 30, 0], jnp.int32))
+  with pytest.raises(ValueError, match="outside the pool"):
+    serving.append(cache, kv, kv, table.at[2, 0].set(6), zeros)
+  with pytest.raises(ValueError, match="do not match the cache"):
+    serving.append(cache, kv[..., :16], kv[..., :16], table, zeros)
+  cache = serving.append(cache, kv, kv, table, zeros)
+  with pytest.raises(ValueError, match="outside the pool"):
+    serving.decode_attention(q, cache, table.at[1, 0].set(-1), lens)
+  with pytest.raises(ValueError, match="what the page table can hold"):
+    serving.decode_attention(q, cache, table, lens.at[0].set(33))
+  with pytest.raises(ValueError, match="not a multiple"):
+    serving.decode_attention(q[:, :3], cache, table, lens)
+  with pytest.raises(ValueError, match="head dim"):
+    serving.decode_attention(q[..., :16], cache, table, lens)
+  with pytest.raises(ValueError, match="append its new tokens"):
+    serving.extend_attention(jnp.ones((3, 5, 8, 32)), cache, table, lens)
+  with pytest.raises(ValueError, match="Unknown implementation"):
+    serving.decode_attention(q, cache, table, lens, implementation="cuda")
+  if not ON_GPU:
+    with pytest.raises(ValueError, match="not available"):
+      serving.decode_attention(q, cache, table, lens, implementation="pallas")
+
+
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+def test_bad_inputs_under_jit_spoil_only_their_sequence(next_key, impl,
+                                                        interpret):
+  """Under jit nothing can raise: a bad sequence gives NaN, the others are
+  untouched; appends past a sequence's pages write nothing."""
+  cache, table = _small()
+  q, k, v = map(jnp.asarray, _tokens(next_key(), 3, 1, 20, 8, 2, 32,
+                                      "normal"))
+  q = q[:, 0]
+  cache = serving.append(cache, k, v, table, jnp.zeros(3, jnp.int32))
+  lens = jnp.asarray([20, 20, 20], jnp.int32)
+  run = jax.jit(lambda c, t, l: serving.decode_attention(
+      q, c, t, l, implementation=impl, interpret=interpret))
+  good = run(cache, table, lens)
+  assert np.all(np.isfinite(good))
+  for bad_table, bad_lens in ((table.at[1, 1].set(6), lens),
+                              (table.at[1, 0].set(-3), lens),
+                              (table, lens.at[1].set(33)),
+                              (table, lens.at[1].set(-1))):
+    out = run(cache, bad_table, bad_lens)
+    assert np.all(np.isnan(out[1]))
+    np.testing.assert_array_equal(out[0], good[0])
+    np.testing.assert_array_equal(out[2], good[2])
+  # Append under jit: sequence 0 runs past its 2 pages (position 30, 4
+  # tokens: 2 fit), sequence 2 names a page outside the pool (nothing
+  # written), sequence 1 is fine.
+  before = jax.tree.map(np.asarray, cache)
+  new = jax.jit(serving.append)(
+      jax.tree.map(jnp.array, cache), k[:, :4], v[:, :4],
+      table.at[2, 0].set(99), jnp.asarray([30, 20, 0], jnp.int32))
+  changed = np.nonzero(np.any(np.asarray(new.k_scales) != before.k_scales,
+                              axis=0))
+  # Sequence 0: page 1, slots 14-15; sequence 1: page 3, slots 4-7.
+  assert set(zip(*changed)) == {(1, 14), (1, 15), (3, 4), (3, 5), (3, 6),
+                                (3, 7)}
+
+
+@pytest.mark.parametrize("layout", ["KPSH", "PSKH"])
+@pytest.mark.parametrize("quantized,pv", [(False, "fp16"), (True, "fp16"),
+                                          (True, "fp8_e4m3"), (True, "bf16")])
+def test_lowers_for_cuda(monkeypatch, layout, quantized, pv):
+  """Decode (split) and extend variants lower through Pallas's Triton path."""
+  from sagejax.serving import attention as attention_lib
+  monkeypatch.setattr(attention_lib, "_pallas_available", lambda: True)
+  if layout == "KPSH":
+    cache = serving.PagedKVCache.create(num_pages=40, page_size=16,
+                                        num_kv_heads=2, head_dim=128,
+                                        quantized=quantized)
+    table = jnp.zeros((4, 10), jnp.int32)
+  else:
+    shape = (4, 160, 2, 128)
+    k = jnp.zeros(shape, jnp.int8 if quantized else jnp.bfloat16)
+    scales = jnp.ones(shape[:-1]) if quantized else None
+    cache, table = serving.PagedKVCache.from_contiguous(
+        k, k.astype(jnp.float8_e4m3fn) if quantized else k, scales, scales)
+  config = serving.SERVING_CONFIG.replace(pv_dtype=pv)
+  lens = jnp.full((4,), 150, jnp.int32)
+  kw = dict(config=config, logits_soft_cap=30.0, local_window_size=64,
+            implementation="pallas")
+  for f, q in ((serving.decode_attention, jnp.zeros((4, 8, 128),
+                                                    jnp.bfloat16)),
+               (serving.extend_attention, jnp.zeros((4, 40, 8, 128),
+                                                    jnp.bfloat16))):
+    lowered = jax.jit(lambda q, c, t, l, f=f: f(q, c, t, l, **kw)).trace(
+        q, cache, table, lens).lower(lowering_platforms=("cuda",))
+    assert "sage_paged_attention" in lowered.as_text()
+
+
+# ----------------------------------------------------------------------------
+# GPU.
+# ----------------------------------------------------------------------------
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("ps", [16, 64])
+def test_gpu_decode_and_extend_match_xla(next_key, quantized, ps):
+  lens = [4100, 1000, 17, 16, 1]
+  sc = _scenario(next_key(), lens, [1] * 5, kh=2, g=4, h=128, ps=ps,
+                 quantized=quantized, kind="normal")
+  q = sc["q"][:, 0].astype(jnp.bfloat16)
+  run = jax.jit(lambda impl: serving.decode_attention(
+      q, sc["cache"], sc["table"], sc["kv_len"], implementation=impl,
+      logits_soft_cap=20.0), static_argnums=0)
+  got, want = run("pallas"), run("xla")
+  assert got.dtype == jnp.bfloat16
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  assert _rel(got, want) < 1e-2
+  sc = _scenario(next_key(), [600, 300, 130], [128, 40, 130], h=128, ps=ps,
+                 quantized=quantized)
+  run = jax.jit(lambda impl: serving.extend_attention(
+      sc["q"].astype(jnp.bfloat16), sc["cache"], sc["table"], sc["kv_len"],
+      q_lengths=sc["q_len"], implementation=impl), static_argnums=0)
+  got, want = run("pallas"), run("xla")
+  valid = (np.arange(130)[None] < np.asarray([128, 40, 130])[:, None])
+  assert np.all(np.asarray(got, np.float32)[~valid] == 0)
+  assert _rel(got, want, valid[..., None, None]) < 1e-2
