@@ -35,8 +35,9 @@ import jax.numpy as jnp
 from flax import linen
 from flax.linen.module import merge_param
 
-from sagejax import quant
+from sagejax import quant, serving
 from sagejax.api import attention as _sage_attention
+from sagejax.serving import cache as serving_cache
 from sagejax.config import ConfigLike, SageConfig, resolve_config
 
 Array = jax.Array
@@ -251,101 +252,149 @@ dot_product_attention = attention_fn()
 
 
 # ----------------------------------------------------------------------------
-# KV cache: Flax's plain layout or INT8 K / FP8 V with per-token scales.
+# KV cache: Flax's layout, plain or INT8 K / FP8 V, read by sagejax.serving.
 # ----------------------------------------------------------------------------
 
-# One INT8 scale per (token, head) row: quant's per-token groups reduce over
-# the last (channel) axis only, so they apply to [..., S, K, H] as is.
-_CACHE_KEY_CONFIG = SageConfig(qk_dtype="int8", qk_granularity="per_token")
-
-
-def quantize_cache_key(key: Array) -> tuple[Array, Array]:
-  """K ``[..., S, K, H]`` → (int8 ``[..., S, K, H]``, f32 scale ``[..., S, K]``)."""
-  return quant.quantize_groups(key, "k", _CACHE_KEY_CONFIG)
-
-
-def quantize_cache_value(value: Array) -> tuple[Array, Array]:
-  """V ``[..., S, K, H]`` → (FP8 e4m3 ``[..., S, K, H]``, f32 scale ``[..., S, K]``).
-
-  One scale per (token, head) over the channels, so a token's entry never
-  changes as later tokens arrive (a per-channel scale would).
-  """
-  values, scale = quant.quantize_v_fp8(jnp.swapaxes(value, -1, -2))
-  return jnp.swapaxes(values, -1, -2), scale
-
-
-def dequantize_cache(key_values: Array, key_scale: Array, value_values: Array,
-                     value_scale: Array, dtype) -> tuple[Array, Array]:
-  """Inverse of the two quantizers above, in ``dtype``."""
-  key = quant.dequantize_qk(key_values, key_scale, _CACHE_KEY_CONFIG)
-  value = value_values.astype(jnp.float32) * value_scale[..., None]
-  return key.astype(dtype), value.astype(dtype)
+# Cache variables of the quantized cache besides K, V and their scales: the
+# smoothing vectors (sagejax.serving.cache) and whether they are fixed.
+_SMOOTH_FIELDS = {"cached_key_smooth": "k_smooth",
+                  "cached_value_smooth": "v_smooth",
+                  "cache_smooth_fixed": "smooth_fixed"}
+_ARRAY_FIELDS = {"cached_key": "k_pages", "cached_value": "v_pages",
+                 "cached_key_scale": "k_scales",
+                 "cached_value_scale": "v_scales"}
 
 
 def cache_layout(shape: tuple[int, ...], dtype, quantized: bool
                  ) -> dict[str, tuple[tuple[int, ...], Any]]:
   """Cache variables (besides ``cache_index``) for K/V of ``shape [..., S, K, H]``.
 
-  Plain: Flax's ``cached_key``/``cached_value`` in ``dtype``. Quantized:
-  ``cached_key`` int8 and ``cached_value`` float8_e4m3fn, with f32
-  ``cached_key_scale``/``cached_value_scale [..., S, K]``: ``2·(H + 4)`` bytes
-  per token and KV head instead of ``2·2·H`` (bf16) or ``2·4·H`` (f32).
+  Plain: Flax's ``cached_key``/``cached_value`` in ``dtype``. Quantized
+  (:mod:`sagejax.serving.cache`'s scheme): ``cached_key`` int8 and
+  ``cached_value`` float8_e4m3fn with f32 per-token scales
+  ``cached_key_scale``/``cached_value_scale [..., S, K]`` (``2·(H + 4)`` bytes
+  per token and KV head instead of ``2·2·H`` for bf16), and the smoothing
+  vectors ``cached_key_smooth``/``cached_value_smooth [K, H]`` with
+  ``cache_smooth_fixed``.
   """
   shape = tuple(shape)
   if not quantized:
     return {"cached_key": (shape, dtype), "cached_value": (shape, dtype)}
+  kh_h = shape[-2:]
   return {"cached_key": (shape, jnp.int8),
           "cached_key_scale": (shape[:-1], jnp.float32),
           "cached_value": (shape, quant.FP8_DTYPE),
-          "cached_value_scale": (shape[:-1], jnp.float32)}
+          "cached_value_scale": (shape[:-1], jnp.float32),
+          "cached_key_smooth": (kh_h, jnp.float32),
+          "cached_value_smooth": (kh_h, jnp.float32),
+          "cache_smooth_fixed": ((), jnp.bool_)}
+
+
+def _as_paged(cache: dict[str, Array]):
+  """The cache variables as a :class:`sagejax.serving.PagedKVCache` view,
+  with its page table and the batch shape."""
+  batch = cache["cached_key"].shape[:-3]
+  flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])  # noqa: E731
+  arrays = {field: flat(cache[name]) for name, field in _ARRAY_FIELDS.items()
+            if name in cache}
+  smooth = {field: cache[name] for name, field in _SMOOTH_FIELDS.items()
+            if name in cache}
+  paged, table = serving.PagedKVCache.from_contiguous(
+      arrays["k_pages"], arrays["v_pages"], arrays.get("k_scales"),
+      arrays.get("v_scales"), **smooth)
+  return paged, table, batch
 
 
 def write_cache(cache: dict[str, Array], index: Array, key: Array,
-                value: Array) -> tuple[dict[str, Array], Array, Array]:
-  """Writes one step's ``key``/``value [..., 1, K, H]`` at ``index``.
+                value: Array) -> dict[str, Array]:
+  """Appends ``key``/``value [..., T, K, H]`` at ``index`` of every row.
 
-  Returns the updated cache (same names) and the whole cached K and V,
-  ``[..., S, K, H]`` in ``key.dtype`` (dequantized for a quantized cache).
+  Returns the updated cache (same names). Tokens past the cache's length are
+  not written (and attention then gives NaN for those rows' queries).
   """
-  *batch, _, heads, depth = cache["cached_key"].shape
-  want = (*batch, 1, heads, depth)
-  if key.shape != want or value.shape != want:
+  *batch, length, heads, depth = cache["cached_key"].shape
+  if key.shape != value.shape or key.shape[:-3] != tuple(batch) or (
+      key.shape[-2:] != (heads, depth)) or key.shape[-3] > length:
     raise ValueError(
-        f"Autoregressive cache shape error: decoding takes one token at a "
-        f"time, expected key/value of shape {want}, got {key.shape} and "
-        f"{value.shape}.")
-  zero = jnp.zeros((), index.dtype)
-  start = (zero,) * len(batch) + (index, zero, zero)
-  update = jax.lax.dynamic_update_slice
+        f"Autoregressive cache shape error: expected key/value of shape "
+        f"{(*batch, 'T', heads, depth)} with T <= {length}, got {key.shape} "
+        f"and {value.shape}.")
+  paged, table, _ = _as_paged(cache)
+  flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])  # noqa: E731
+  positions = jnp.full((table.shape[0],), index, jnp.int32)
+  paged = serving_cache.append(paged, flat(key), flat(value), table,
+                               positions, donate=False)
+  contiguous = paged.contiguous(table.shape[0])
   new = dict(cache)
+  for name, field in _ARRAY_FIELDS.items():
+    if name in cache:
+      new[name] = contiguous[field].reshape(cache[name].shape)
+  for name, field in _SMOOTH_FIELDS.items():
+    if name in cache:
+      new[name] = getattr(paged, field)
+  return new
+
+
+def read_cache(cache: dict[str, Array], dtype) -> tuple[Array, Array]:
+  """The whole cached K and V, ``[..., S, K, H]`` in ``dtype`` (dequantized
+  for a quantized cache), for an ``attention_fn`` that takes them."""
   if "cached_key_scale" not in cache:
-    new["cached_key"] = update(cache["cached_key"], key, start)
-    new["cached_value"] = update(cache["cached_value"], value, start)
-    return new, new["cached_key"], new["cached_value"]
-  for name, (values, scale) in (("key", quantize_cache_key(key)),
-                                ("value", quantize_cache_value(value))):
-    new[f"cached_{name}"] = update(cache[f"cached_{name}"], values, start)
-    new[f"cached_{name}_scale"] = update(cache[f"cached_{name}_scale"], scale,
-                                         start[:-1])
-  full_key, full_value = dequantize_cache(
-      new["cached_key"], new["cached_key_scale"], new["cached_value"],
-      new["cached_value_scale"], key.dtype)
-  return new, full_key, full_value
+    return cache["cached_key"], cache["cached_value"]
+  key = serving_cache.dequantize_keys(
+      cache["cached_key"], cache["cached_key_scale"],
+      cache.get("cached_key_smooth"))
+  value = serving_cache.dequantize_values(
+      cache["cached_value"], cache["cached_value_scale"],
+      cache.get("cached_value_smooth"))
+  return key.astype(dtype), value.astype(dtype)
+
+
+def paged_decode(fn: Callable[..., Array], cache: dict[str, Array],
+                 index: Array, query: Array) -> Optional[Array]:
+  """The new tokens' attention read straight from the cache.
+
+  ``query [..., T, N, H]`` are the T tokens just written at ``index``; they
+  see the cache up to themselves, causally. With sagejax's ``attention_fn``
+  this runs :func:`sagejax.serving.decode_attention` (T = 1) or
+  ``extend_attention`` on the cache as it is stored (INT8/FP8 entries read
+  by the kernel, no dequantized copy). Returns None for any other
+  ``attention_fn``, which the caller then gives :func:`read_cache`'s arrays.
+  """
+  if not isinstance(fn, SageAttentionFn):
+    return None
+  paged, table, batch = _as_paged(cache)
+  t = query.shape[-3]
+  q = query.reshape((-1,) + query.shape[len(batch):])
+  lengths = jnp.full((q.shape[0],), index + t, jnp.int32)
+  config = serving.SERVING_CONFIG.replace(pv_dtype=fn.config.pv_dtype)
+  kwargs = dict(config=config, implementation=fn.implementation)
+  if t == 1:
+    out = serving.decode_attention(q[:, 0], paged, table, lengths, **kwargs)
+    out = out[:, None]
+  else:
+    out = serving.extend_attention(q, paged, table, lengths, **kwargs)
+  return out.reshape(query.shape)
 
 
 def decode_attention_inputs(fn: Callable[..., Array], mask: Optional[Array],
-                            index: Array, batch: tuple[int, ...], length: int
+                            index: Array, t: int, batch: tuple[int, ...],
+                            length: int
                             ) -> tuple[Optional[Array], dict[str, Array]]:
-  """The mask and extra kwargs for one decode step reading keys ``<= index``.
+  """The mask and extra kwargs for T new tokens at ``index`` reading the
+  whole cache (token ``index + i`` sees keys ``<= index + i``).
 
   sagejax's function gets the valid length (padding then stays out of the
-  quantization statistics); any other ``attention_fn`` gets Flax's combined
-  mask.
+  quantization statistics), plus the causal mask when T > 1; any other
+  ``attention_fn`` gets Flax's combined mask.
   """
+  seen = (jnp.arange(length)[None, :]
+          <= index + jnp.arange(t)[:, None])             # [T, S]
+  seen = jnp.broadcast_to(seen, batch + (1, t, length))
   if isinstance(fn, SageAttentionFn):
-    lengths = jnp.full((math.prod(batch),), index + 1, jnp.int32)
+    lengths = jnp.full((math.prod(batch),), index + t, jnp.int32)
+    if t > 1:
+      mask = seen if mask is None else linen.combine_masks(mask, seen)
     return mask, {"key_value_seq_lengths": lengths}
-  seen = jnp.broadcast_to(jnp.arange(length) <= index, batch + (1, 1, length))
   return linen.combine_masks(mask, seen), {}
 
 
@@ -392,12 +441,21 @@ class SageMultiHeadAttention(linen.MultiHeadDotProductAttention):
     config: :class:`sagejax.SageConfig` or preset name (default
       ``"sage2-8b"``).
     implementation: backend for :func:`sagejax.attention` (None: fastest).
-    quantized_cache: decode with INT8 K (per-token scales) and FP8 e4m3 V
-      (per-token, per-head scales) in the cache: ``cached_key`` int8,
-      ``cached_value`` float8_e4m3fn, plus f32 ``cached_key_scale`` and
-      ``cached_value_scale [batch..., S, N]``, about half the memory of a bf16
-      cache. Entries are dequantized on read; the attention itself is as
-      configured.
+    quantized_cache: decode with INT8 K and FP8 e4m3 V (per-token, per-head
+      scales, smoothed: :mod:`sagejax.serving.cache`) in the cache:
+      ``cached_key`` int8, ``cached_value`` float8_e4m3fn, f32
+      ``cached_key_scale``/``cached_value_scale [batch..., S, K]`` and the
+      smoothing vectors (:func:`cache_layout`), about half the memory of a
+      bf16 cache.
+
+  Decoding (``decode=True``) takes T >= 1 tokens per call (a prompt in one
+  call, then one token at a time): they are appended at ``cache_index`` and
+  attend causally to the cache up to themselves. With sagejax's attention and
+  no mask, dropout or ``sow_weights``, the cache is read by
+  :mod:`sagejax.serving`'s paged kernels (INT8/FP8 entries directly, plain
+  entries in their dtype; Q·Kᵀ in INT8 and P in ``config.pv_dtype`` for a
+  quantized cache); otherwise the whole (dequantized) cache goes to the
+  ``attention_fn`` with Flax's decode mask.
 
   Fallbacks: with attention dropout active (``dropout_rate > 0`` and not
   deterministic) or ``sow_weights=True`` the call runs Flax's exact
@@ -474,10 +532,6 @@ class SageMultiHeadAttention(linen.MultiHeadDotProductAttention):
       key = norm(name="key_ln")(key)
 
     fn = self.resolved_attention_fn()
-    extra: dict[str, Any] = {}
-    if self.decode:
-      key, value, mask, extra = self._decode_step(fn, key, value, mask)
-
     if self.dropout_rate > 0.0:
       deterministic = merge_param("deterministic", self.deterministic,
                                   deterministic)
@@ -485,6 +539,13 @@ class SageMultiHeadAttention(linen.MultiHeadDotProductAttention):
         dropout_rng = self.make_rng("dropout")
     else:
       deterministic = True
+    x, extra = None, {}
+    if self.decode:
+      direct = (mask is None and deterministic and not sow_weights
+                and not self.qk_attn_weights_einsum_cls
+                and not self.attn_weights_value_einsum_cls)
+      x, key, value, mask, extra = self._decode_step(fn, query, key, value,
+                                                     mask, direct)
     kwargs = dict(
         mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
         broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
@@ -500,8 +561,9 @@ class SageMultiHeadAttention(linen.MultiHeadDotProductAttention):
       extra_kwargs = {"module": self}
     else:
       extra_kwargs = {}
-    x = call_attention_fn(fn, (query, key, value), kwargs, filter_kwargs=True,
-                          **extra_kwargs)
+    if x is None:
+      x = call_attention_fn(fn, (query, key, value), kwargs,
+                            filter_kwargs=True, **extra_kwargs)
     return linen.DenseGeneral(
         features=features, axis=(-2, -1),
         kernel_init=self.out_kernel_init or self.kernel_init,
@@ -511,8 +573,15 @@ class SageMultiHeadAttention(linen.MultiHeadDotProductAttention):
         dot_general=self.out_dot_general,
         dot_general_cls=self.out_dot_general_cls, name="out")(x)
 
-  def _decode_step(self, fn, key, value, mask):
-    """Creates the cache on init; afterwards appends one token and reads all."""
+  def _decode_step(self, fn, query, key, value, mask, direct: bool):
+    """Creates the cache on init; afterwards appends the T new tokens.
+
+    Returns ``(x, key, value, mask, extra)``: with ``direct`` (no mask,
+    dropout or weights to sow) and sagejax's ``attention_fn``, ``x`` is the
+    new tokens' attention read straight from the cache
+    (:func:`paged_decode`); otherwise ``x`` is None and ``key``/``value`` are
+    the whole cache for the ``attention_fn`` to attend with ``mask``/``extra``.
+    """
     initialized = self.has_variable("cache", "cached_key")
     layout = cache_layout(key.shape, key.dtype, self.quantized_cache)
     variables = {name: self.variable("cache", name, jnp.zeros, shape, dtype)
@@ -520,16 +589,21 @@ class SageMultiHeadAttention(linen.MultiHeadDotProductAttention):
     index = self.variable("cache", "cache_index",
                           lambda: jnp.array(0, jnp.int32))
     if not initialized:
-      return key, value, mask, {}
-    cache, key, value = write_cache(
-        {name: var.value for name, var in variables.items()}, index.value,
-        key, value)
+      return None, key, value, mask, {}
+    start, t = index.value, key.shape[-3]
+    cache = write_cache({name: var.value for name, var in variables.items()},
+                        start, key, value)
     for name, var in variables.items():
       var.value = cache[name]
-    mask, extra = decode_attention_inputs(fn, mask, index.value,
-                                          key.shape[:-3], key.shape[-3])
-    index.value = index.value + 1
-    return key, value, mask, extra
+    index.value = start + t
+    if direct:
+      x = paged_decode(fn, cache, start, query)
+      if x is not None:
+        return x, key, value, mask, {}
+    key, value = read_cache(cache, key.dtype)
+    mask, extra = decode_attention_inputs(fn, mask, start, t, key.shape[:-3],
+                                          key.shape[-3])
+    return None, key, value, mask, extra
 
 
 class MultiHeadDotProductAttention(SageMultiHeadAttention):

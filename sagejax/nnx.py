@@ -26,6 +26,8 @@ from sagejax.nn import (
     cache_layout,
     call_attention_fn,
     decode_attention_inputs,
+    paged_decode,
+    read_cache,
     resolve_inputs,
     write_cache,
 )
@@ -33,7 +35,8 @@ from sagejax.nn import (
 Array = jax.Array
 
 _CACHE_NAMES = ("cached_key", "cached_key_scale", "cached_value",
-                "cached_value_scale")
+                "cached_value_scale", "cached_key_smooth",
+                "cached_value_smooth", "cache_smooth_fixed")
 
 
 class SageMultiHeadAttention(nnx.MultiHeadAttention):
@@ -52,9 +55,11 @@ class SageMultiHeadAttention(nnx.MultiHeadAttention):
     config: :class:`sagejax.SageConfig` or preset name (default
       ``"sage2-8b"``).
     implementation: backend for :func:`sagejax.attention` (None: fastest).
-    quantized_cache: :meth:`init_cache` makes an INT8 K / FP8 e4m3 V cache with
-      f32 per-(token, head) scales (``cached_key_scale``/``cached_value_scale
-      [batch..., S, K]``), about half a bf16 cache; dequantized on read.
+    quantized_cache: :meth:`init_cache` makes an INT8 K / FP8 e4m3 V cache
+      (:func:`sagejax.nn.cache_layout`: f32 per-(token, head) scales
+      ``cached_key_scale``/``cached_value_scale [batch..., S, K]`` and
+      smoothing vectors), about half a bf16 cache, read directly by
+      :mod:`sagejax.serving`'s kernels (see :mod:`sagejax.nn`'s module).
     attention_fn: None for SageAttention with ``config``; any Flax
       ``attention_fn`` replaces it.
 
@@ -84,8 +89,9 @@ class SageMultiHeadAttention(nnx.MultiHeadAttention):
     self.config = config
     self.implementation = implementation
     self.quantized_cache = quantized_cache
-    self.cached_key_scale: Optional[nnx.Cache] = nnx.data(None)
-    self.cached_value_scale: Optional[nnx.Cache] = nnx.data(None)
+    for name in _CACHE_NAMES[1:]:
+      if name != "cached_value":
+        setattr(self, name, nnx.data(None))
 
   def init_cache(self, input_shape: tuple[int, ...],
                  dtype: Any = jnp.float32) -> None:
@@ -130,8 +136,9 @@ class SageMultiHeadAttention(nnx.MultiHeadAttention):
 
     Same arguments as :meth:`flax.nnx.MultiHeadAttention.__call__`: ``mask``
     ``[batch..., N|1, T, S]`` (True = attend), ``is_causal`` top-left aligned,
-    ``decode`` (one token per call after :meth:`init_cache`), ``rngs`` for
-    dropout. Returns ``[batch..., T, out_features]``.
+    ``decode`` (after :meth:`init_cache`: T >= 1 tokens per call, appended
+    and attending causally to the cache), ``rngs`` for dropout. Returns
+    ``[batch..., T, out_features]``.
     """
     decode = first_from(
         decode, self.decode,
@@ -150,7 +157,7 @@ class SageMultiHeadAttention(nnx.MultiHeadAttention):
 
   def _decode(self, inputs_q, inputs_k, inputs_v, *, mask, deterministic,
               rngs, sow_weights, is_causal, out_sharding, qkv_sharding):
-    """One autoregressive step: append this token's K/V, attend to all."""
+    """One autoregressive step: append the T new tokens' K/V, attend."""
     if self.cached_key is None or self.cache_index is None:
       raise ValueError("Autoregressive cache not initialized: call "
                        "init_cache first.")
@@ -162,14 +169,12 @@ class SageMultiHeadAttention(nnx.MultiHeadAttention):
       query, key = self.query_ln(query), self.key_ln(key)
 
     names = [n for n in _CACHE_NAMES if getattr(self, n) is not None]
-    index = self.cache_index[...]
-    cache, key, value = write_cache({n: getattr(self, n)[...] for n in names},
-                                    index, key, value)
+    index, t = self.cache_index[...], key.shape[-3]
+    cache = write_cache({n: getattr(self, n)[...] for n in names}, index, key,
+                        value)
     for n in names:
       getattr(self, n)[...] = cache[n]
-    self.cache_index[...] = index + 1
-    mask, extra = decode_attention_inputs(self.attention_fn, mask, index,
-                                          key.shape[:-3], key.shape[-3])
+    self.cache_index[...] = index + t
 
     dropout_rng = None
     if self.dropout_rate > 0.0:
@@ -187,6 +192,13 @@ class SageMultiHeadAttention(nnx.MultiHeadAttention):
         dropout_rng = stream()
     else:
       deterministic = True
+    if mask is None and not sow_weights and deterministic:
+      x = paged_decode(self.attention_fn, cache, index, query)
+      if x is not None:
+        return self.out(x, out_sharding=out_sharding)
+    key, value = read_cache(cache, key.dtype)
+    mask, extra = decode_attention_inputs(self.attention_fn, mask, index, t,
+                                          key.shape[:-3], key.shape[-3])
     kwargs = dict(mask=mask, dropout_rng=dropout_rng,
                   dropout_rate=self.dropout_rate,
                   broadcast_dropout=self.broadcast_dropout,

@@ -221,8 +221,11 @@ def test_quantized_cache_error_and_memory():
   _assert_close(quant, plain, CACHE_TOL)
   nbytes = lambda c: sum(a.nbytes for a in jax.tree.leaves(c))
   head_dim, index_bytes = F // HEADS, 4
-  # Per token and head: K and V of H bytes + one f32 scale each, vs 4H (f32).
-  assert nbytes(quant_cache) == B * T * HEADS * 2 * (head_dim + 4) + index_bytes
+  # Per token and head: K and V of H bytes + one f32 scale each, vs 4H (f32);
+  # plus the smoothing vectors (two f32 [K, H]) and their flag.
+  smooth_bytes = 2 * HEADS * head_dim * 4 + 1
+  assert nbytes(quant_cache) == (B * T * HEADS * 2 * (head_dim + 4)
+                                 + index_bytes + smooth_bytes)
   assert nbytes(plain_cache) == B * T * HEADS * 2 * 4 * head_dim + index_bytes
 
 

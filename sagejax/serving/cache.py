@@ -368,7 +368,8 @@ def _check_append(cache: PagedKVCache, k, v, page_table, positions, num_new,
 def append(cache: PagedKVCache, k: jax.Array, v: jax.Array,
            page_table: jax.Array, positions: jax.Array, *,
            num_new: Optional[jax.Array] = None,
-           cu_seqlens: Optional[jax.Array] = None) -> PagedKVCache:
+           cu_seqlens: Optional[jax.Array] = None,
+           donate: bool = True) -> PagedKVCache:
   """Writes new tokens' K and V into their sequences' pages.
 
   Args:
@@ -381,6 +382,7 @@ def append(cache: PagedKVCache, k: jax.Array, v: jax.Array,
       (default T); rows past it are ignored.
     cu_seqlens: int32 ``[B + 1]``: sequence b's tokens are rows
       ``[cu_seqlens[b], cu_seqlens[b + 1])`` of packed k and v.
+    donate: False keeps the input cache valid (a copy is written).
 
   Returns:
     The updated cache.
@@ -390,12 +392,12 @@ def append(cache: PagedKVCache, k: jax.Array, v: jax.Array,
   such tokens are not written at all (no other page is touched).
   """
   _check_append(cache, k, v, page_table, positions, num_new, cu_seqlens)
-  return _append(cache, k, v, page_table, positions, num_new, cu_seqlens)
+  fn = _append_donating if donate else _append
+  return fn(cache, k, v, page_table, positions, num_new, cu_seqlens)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _append(cache: PagedKVCache, k, v, page_table, positions, num_new,
-            cu_seqlens) -> PagedKVCache:
+def _append_impl(cache: PagedKVCache, k, v, page_table, positions, num_new,
+                 cu_seqlens) -> PagedKVCache:
   b, max_pages = page_table.shape
   page_table, positions = page_table.astype(jnp.int32), positions.astype(
       jnp.int32)
@@ -440,3 +442,7 @@ def _append(cache: PagedKVCache, k, v, page_table, positions, num_new,
       k_scales=cache.write("k_scales", page, slot, ks),
       v_pages=cache.write("v_pages", page, slot, v8),
       v_scales=cache.write("v_scales", page, slot, vs), **updates)
+
+
+_append = jax.jit(_append_impl)
+_append_donating = jax.jit(_append_impl, donate_argnums=(0,))
