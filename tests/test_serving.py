@@ -386,6 +386,23 @@ def test_bad_inputs_under_jit_spoil_only_their_sequence(next_key, impl,
                                 (3, 7)}
 
 
+def test_kernel_writes_every_row_it_owns(next_key):
+  """With outputs poisoned (NaN before the kernel runs), every row of every
+  split is written: padding rows too (zeros, LSE −inf)."""
+  from sagejax.serving import triton_paged
+  sc = _scenario(next_key(), [20, 33], [3, 4], h=32, t=4)
+  rows = sc["q"].reshape(8, 8, 32)
+  for splits in (1, 3):
+    res = triton_paged.paged_attention(
+        rows, jnp.asarray([0, 4], jnp.int32), sc["q_len"],
+        jnp.full(2, 4, jnp.int32), sc["kv_len"], sc["cache"], sc["table"],
+        PagedMath(sm_scale=0.2, block_k=32), num_q_blocks=1,
+        tiling=serving.PagedTiling(block_q=4, block_k=32),
+        num_splits=splits, out_dtype=jnp.float32, interpret=True,
+        poison=True)
+    assert not any(np.isnan(np.asarray(r)).any() for r in res)
+
+
 @pytest.mark.parametrize("layout", ["KPSH", "PSKH"])
 @pytest.mark.parametrize("quantized,pv", [(False, "fp16"), (True, "fp16"),
                                           (True, "fp8_e4m3"), (True, "bf16")])

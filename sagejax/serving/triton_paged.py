@@ -236,7 +236,7 @@ def paged_attention(q: jax.Array, q_start: jax.Array, q_len: jax.Array,
                     q_cap: jax.Array, kv_len: jax.Array, cache,
                     page_table: jax.Array, math: PagedMath, *,
                     num_q_blocks: int, tiling: PagedTiling, num_splits: int,
-                    out_dtype, interpret: bool = False):
+                    out_dtype, interpret: bool = False, poison: bool = False):
   """Runs the paged kernel.
 
   Args:
@@ -251,6 +251,8 @@ def paged_attention(q: jax.Array, q_start: jax.Array, q_len: jax.Array,
       longest ``q_cap``).
     tiling, num_splits: tiles and the split count (resolved, not None).
     out_dtype: output dtype with one split.
+    poison: start the outputs as NaN (checks: every row the kernel owns must
+      be written).
 
   Returns:
     One split: the output ``[rows, N, H]`` in ``out_dtype``. Several: f32
@@ -304,22 +306,32 @@ def paged_attention(q: jax.Array, q_start: jax.Array, q_len: jax.Array,
   kernel = functools.partial(
       _kernel, math=math, groups=groups, gp=gp, bt=bt, ppb=bk // ps,
       num_pages=cache.num_pages, num_splits=num_splits, interpret=interpret)
-  if num_splits == 1:
-    kernel = functools.partial(_one_output, kernel)
   km = cache.k_smooth if smooth and math.soft_cap is not None else None
+  args = [q_start, q_len, q_cap, kv_len, q, page_table, cache.k_pages,
+          cache.k_scales, cache.v_pages, cache.v_scales, km,
+          cache.v_smooth if smooth else None]
+  aliases = {}
+  if poison:
+    first = sum(a is not None for a in args)   # None inputs are no operands
+    aliases = {first + i: i for i in range(len(out_shape))}
+    args += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
+    in_specs = in_specs + out_specs
+  kernel = functools.partial(_drop_refs, kernel, len(in_specs) - len(aliases),
+                             len(aliases), num_splits == 1)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape,
+      out_shape=out_shape, input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
                                            num_stages=tiling.num_stages),
       interpret=interpret, name="sage_paged_attention",
-  )(q_start, q_len, q_cap, kv_len, q, page_table, cache.k_pages,
-    cache.k_scales, cache.v_pages, cache.v_scales, km,
-    cache.v_smooth if smooth else None)
+  )(*args)
 
 
-def _one_output(kernel, *refs):
-  return kernel(*refs, None)
+def _drop_refs(kernel, n_in: int, n_poison: int, one_output: bool, *refs):
+  """Calls ``kernel`` without the poisoned (aliased) input refs, and with
+  ``lse_ref=None`` when there is one output."""
+  outs = refs[n_in + n_poison:]
+  return kernel(*refs[:n_in], *outs, *((None,) if one_output else ()))
 
 
 def merge_splits(out: jax.Array, lse: jax.Array,
