@@ -183,10 +183,11 @@ def _num_splits(tiling: PagedTiling, programs: int, max_pages: int,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "math", "implementation", "tiling", "interpret", "t_cap", "packed"))
+    "math", "implementation", "tiling", "interpret", "t_cap", "packed",
+    "poison"))
 def _paged(q, cache, page_table, lengths, q_len, cu_seqlens, *,
            math: PagedMath, implementation: str, tiling: PagedTiling,
-           interpret: bool, t_cap: int, packed: bool):
+           interpret: bool, t_cap: int, packed: bool, poison: bool = False):
   """Core: q ``[B, T, N, H]`` (padded) or ``[rows, N, H]`` (packed)."""
   b = lengths.shape[0]
   n, h = q.shape[-2:]
@@ -223,7 +224,7 @@ def _paged(q, cache, page_table, lengths, q_len, cu_seqlens, *,
   res = triton_paged.paged_attention(
       rows, q_start, q_len, q_cap, kv_len, cache, page_table, math,
       num_q_blocks=nq, tiling=tiling, num_splits=splits, out_dtype=q.dtype,
-      interpret=interpret)
+      interpret=interpret, poison=poison)
   if splits == 1:
     out = res[0]
   else:
@@ -342,7 +343,9 @@ def decode_attention(
 
 def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
             t_cap, packed, scale, local_window_size, logits_soft_cap, config,
-            implementation, tiling, interpret):
+            implementation, tiling, interpret, poison=False):
+  """Shared by both entry points (checks done); ``poison`` starts the
+  kernel's outputs as NaN (GPU checks)."""
   config = _resolve_config(config, cache)
   if tiling is None:
     tiling = default_tiling(cache.page_size, decode)
@@ -358,4 +361,5 @@ def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
   impl = _select(implementation, interpret, q, cache, math)
   return _paged(q, cache, page_table, lengths, q_lengths, cu_seqlens,
                 math=math, implementation=impl, tiling=tiling,
-                interpret=interpret, t_cap=t_cap, packed=packed)
+                interpret=interpret, t_cap=t_cap, packed=packed,
+                poison=poison)
