@@ -240,6 +240,100 @@ def correctness(run: Run):
   run.data["correctness"] = rows
 
 
+def cache_error(run: Run):
+  """Error of cache quantization schemes vs exact f32 attention (decode, one
+  query per sequence; B=4, 4096 cached tokens, GQA 32/8, H=128): the cache
+  alone (exact attention over its dequantized tokens) and end to end (the
+  ``"xla"`` paged attention, INT8 Q and FP16 P' included)."""
+  b, s = (2, 512) if run.smoke else (4, 4096)
+  rows = []
+  for kind in ("normal", "channel_bias"):
+    q, k, v = testing.make_qkv(jax.random.key(7), b, 1, s, N, K, H, kind,
+                               jnp.float32)
+    table = jnp.arange(b * s // 16, dtype=jnp.int32).reshape(b, -1)
+    lens = jnp.full((b,), s, jnp.int32)
+    exact = dense(q, np.asarray(k), np.asarray(v), np.ones(b, int),
+                  np.full(b, s))
+
+    def metrics(out):
+      m = testing.error_metrics(np.asarray(out).reshape(exact.shape), exact)
+      return {key: m[key] for key in ("cos_sim", "rel_l1", "rmse")}
+
+    first = 64   # the first append: the first 64 tokens of each sequence
+
+    def emulated(k_smooth, v_smooth, v_per_channel=False):
+      """Exact attention over tokens quantized with these smoothing vectors
+      (broadcast against [B, S, K, H]); ``v_per_channel``: V scales per
+      (head, channel), fixed by the first append's max (later tokens clip)."""
+      kq = cache_lib.dequantize_keys(*cache_lib.quantize_keys(k, k_smooth),
+                                     k_smooth)
+      if v_per_channel:
+        centred = v - v_smooth
+        scale = quant.scale_from_amax(
+            jnp.max(jnp.abs(centred[:, :first]), axis=(0, 1)), quant.FP8_MAX)
+        v8 = jnp.clip(centred / scale, -quant.FP8_MAX, quant.FP8_MAX)
+        vq = v8.astype(quant.FP8_DTYPE).astype(jnp.float32) * scale + v_smooth
+      else:
+        vq = cache_lib.dequantize_values(
+            *cache_lib.quantize_values(v, v_smooth), v_smooth)
+      return dense(q, np.asarray(kq), np.asarray(vq), np.ones(b, int),
+                   np.full(b, s))
+
+    seq_k = jnp.mean(k[:, :first], axis=1, keepdims=True)
+    seq_v = jnp.mean(v[:, :first], axis=1, keepdims=True)
+    schemes = {
+        "bf16": emulated_bf16(q, k, v, b, s),
+        "int8/fp8, no smoothing": emulated(None, None),
+        "int8/fp8, K smoothing only (global)": emulated(
+            jnp.mean(k[:, :first], axis=(0, 1)), None),
+        "int8/fp8, per-sequence means of the first 64 tokens": emulated(
+            seq_k, seq_v),
+        "int8/fp8, global means, V scales per channel (first append)":
+            emulated(jnp.mean(k[:, :first], axis=(0, 1)),
+                     jnp.mean(v[:, :first], axis=(0, 1)), True),
+    }
+    for name, out in schemes.items():
+      rows.append(dict(data=kind, scheme=name, part="cache alone",
+                       **metrics(out)))
+    for name, quantized in (("bf16", False), ("int8/fp8 (default: global "
+                                               "means of the first append)",
+                                               True)):
+      cache = serving.PagedKVCache.create(num_pages=b * s // 16, page_size=16,
+                                          num_kv_heads=K, head_dim=H,
+                                          quantized=quantized)
+      cache = serving.append(cache, k[:, :first], v[:, :first], table,
+                             jnp.zeros(b, jnp.int32))
+      cache = serving.append(cache, k[:, first:], v[:, first:], table,
+                             jnp.full(b, first, jnp.int32))
+      if quantized:
+        pages = table
+        kq = cache_lib.dequantize_keys(cache.gather("k_pages", pages),
+                                       cache.gather("k_scales", pages),
+                                       cache.k_smooth)
+        vq = cache_lib.dequantize_values(cache.gather("v_pages", pages),
+                                         cache.gather("v_scales", pages),
+                                         cache.v_smooth)
+        rows.append(dict(data=kind, scheme=name, part="cache alone",
+                         **metrics(dense(q, np.asarray(kq), np.asarray(vq),
+                                         np.ones(b, int), np.full(b, s)))))
+      out = serving.decode_attention(q[:, 0].astype(jnp.bfloat16), cache,
+                                     table, lens, implementation="xla")
+      rows.append(dict(data=kind, scheme=name, part="end to end (xla)",
+                       **metrics(out)))
+  run.data["cache_error"] = rows
+  print("\n| data | scheme | measured | cos sim | rel. L1 | RMSE |")
+  print("| --- | --- | --- | --- | --- | --- |")
+  for r in rows:
+    print(f"| {r['data']} | {r['scheme']} | {r['part']} | "
+          f"{r['cos_sim']:.6f} | {r['rel_l1']:.5f} | {r['rmse']:.5f} |")
+
+
+def emulated_bf16(q, k, v, b, s):
+  return dense(q, np.asarray(k.astype(jnp.bfloat16), np.float32),
+               np.asarray(v.astype(jnp.bfloat16), np.float32),
+               np.ones(b, int), np.full(b, s))
+
+
 # ----------------------------------------------------------------------------
 # 2-4. Speed.
 # ----------------------------------------------------------------------------
@@ -559,12 +653,21 @@ def main():
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--smoke", action="store_true",
                       help="tiny shapes, kernels interpreted (CPU)")
+  parser.add_argument("--cache-error", action="store_true",
+                      help="only the cache quantization error table (CPU)")
   args = parser.parse_args()
   run = Run(args.out, args.smoke)
   run.data["quick"] = args.quick
   print(f"device: {run.data['device']}, jax {jax.__version__}")
+  if args.cache_error:
+    cache_error(run)
+    run.save()
+    return
   run.guard("correctness", correctness, run)
   run.save()
+  if not args.quick:
+    run.guard("cache error", cache_error, run)
+    run.save()
   copy_bw = run.guard("copy", copy_bandwidth, run) or float("nan")
   run.save()
   tilings = run.guard("decode tiling", decode_tiling_sweep, run) or {}
