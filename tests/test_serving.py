@@ -303,6 +303,43 @@ def test_quantized_cache_error_on_outlier_data(next_key):
       b * s * kh * quant_bytes // 2)
 
 
+def test_packed_append_and_contiguous_layout(next_key):
+  """append with cu_seqlens writes what the padded form writes; a contiguous
+  [B, S, K, H] cache viewed as pages ("PSKH", Flax's) gives the paged
+  layout's attention in both implementations."""
+  q, k, v = map(jnp.asarray, _tokens(next_key(), 2, 1, 48, 4, 2, 32,
+                                     "channel_bias"))
+  counts = np.asarray([7, 3])
+  table = jnp.asarray([[3, 0, 5], [1, 4, 2]], jnp.int32)
+  start = jnp.asarray([16, 40], jnp.int32)
+  make = lambda: serving.PagedKVCache.create(  # noqa: E731
+      num_pages=6, page_size=16, num_kv_heads=2, head_dim=32)
+  padded = serving.append(make(), k[:, :7], v[:, :7], table, start,
+                          num_new=jnp.asarray(counts, jnp.int32))
+  packed = serving.append(
+      make(), jnp.concatenate([k[0, :7], k[1, :3]]),
+      jnp.concatenate([v[0, :7], v[1, :3]]), table, start,
+      cu_seqlens=jnp.asarray([0, 7, 10], jnp.int32))
+  jax.tree.map(np.testing.assert_array_equal, padded, packed)
+
+  contiguous = {name: jnp.zeros((2, 48, 2, 32), x.dtype)
+                for name, x in (("k", padded.k_pages), ("v", padded.v_pages))}
+  scales = jnp.ones((2, 48, 2))
+  fresh = make()
+  flat, flat_table = serving.PagedKVCache.from_contiguous(
+      contiguous["k"], contiguous["v"], scales, scales, fresh.k_smooth,
+      fresh.v_smooth, fresh.smooth_fixed)
+  flat = serving.append(flat, k, v, flat_table, jnp.zeros(2, jnp.int32))
+  paged = serving.append(make(), k, v, table, jnp.zeros(2, jnp.int32))
+  lens = jnp.asarray([48, 30], jnp.int32)
+  want = serving.decode_attention(q[:, 0], paged, table, lens,
+                                  implementation="xla")
+  for impl, interpret in IMPLS:
+    got = serving.decode_attention(q[:, 0], flat, flat_table, lens,
+                                   implementation=impl, interpret=interpret)
+    assert _rel(got, want) < 1e-3
+
+
 # ----------------------------------------------------------------------------
 # Bad input.
 # ----------------------------------------------------------------------------

@@ -275,8 +275,15 @@ def _empty(cls, shape, quantized, dtype, smooth) -> PagedKVCache:
 # ----------------------------------------------------------------------------
 
 
+try:  # JAX 0.10 and 0.11 both export it; the fallback guards later moves
+  _Tracer = jax.core.Tracer
+except AttributeError:  # pragma: no cover
+  from jax._src.core import Tracer as _Tracer  # pylint: disable=g-import-not-at-top
+
+
 def _is_concrete(*xs) -> bool:
-  return not any(isinstance(x, jax.core.Tracer) for x in xs if x is not None)
+  """Whether all given arrays have values (outside jit): checks can read."""
+  return not any(isinstance(x, _Tracer) for x in xs if x is not None)
 
 
 def token_rows(batch: int, rows: int, num_new: Optional[jax.Array],
