@@ -531,14 +531,14 @@ def extend_sweep(run: Run):
   rows = []
   candidates = [None]
   if not run.smoke:
-    candidates += [
+    candidates += [   # the default is block_q=32 (128 rows), 128/8w/2st
         serving.PagedTiling(block_q=32, block_k=64, num_warps=4,
                             num_stages=3, num_splits=1),
-        serving.PagedTiling(block_q=32, block_k=128, num_warps=8,
-                            num_stages=2, num_splits=1),
+        serving.PagedTiling(block_q=32, block_k=64, num_warps=8,
+                            num_stages=3, num_splits=1),
         serving.PagedTiling(block_q=64, block_k=64, num_warps=8,
                             num_stages=2, num_splits=1),
-        serving.PagedTiling(block_q=16, block_k=64, num_warps=4,
+        serving.PagedTiling(block_q=16, block_k=128, num_warps=4,
                             num_stages=2, num_splits=1)]
   best = None   # the fastest tiling on the first prefix, used for the rest
   for i, prefix in enumerate(prefixes):

@@ -36,12 +36,16 @@ FP16 tensor cores the kernel multiplies on, and adds P's rounding."""
 _TARGET_PROGRAMS = 264
 
 
-def default_tiling(page_size: int, decode: bool) -> PagedTiling:
-  """Decode: one query token per program, split keys; extend: 32 tokens."""
-  bk = max(64, page_size)
+def default_tiling(page_size: int, groups: int, decode: bool) -> PagedTiling:
+  """Decode: one query token per program (rows: the GQA group padded to 16),
+  keys split over programs; extend: about 128 rows (tokens × group heads)
+  against 128 keys per step, as the dense kernel's best H=128 tile."""
   if decode:
-    return PagedTiling(block_q=1, block_k=bk, num_warps=4, num_stages=3)
-  return PagedTiling(block_q=32, block_k=bk, num_warps=4, num_stages=2)
+    return PagedTiling(block_q=1, block_k=max(64, page_size), num_warps=4,
+                       num_stages=3)
+  gp = 1 << max(0, (groups - 1).bit_length())
+  return PagedTiling(block_q=max(1, 128 // gp), block_k=max(128, page_size),
+                     num_warps=8, num_stages=2)
 
 
 def _resolve_config(config: ConfigLike | None, cache: PagedKVCache
@@ -348,7 +352,8 @@ def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
   kernel's outputs as NaN (GPU checks)."""
   config = _resolve_config(config, cache)
   if tiling is None:
-    tiling = default_tiling(cache.page_size, decode)
+    tiling = default_tiling(cache.page_size, q.shape[-2] // cache.num_kv_heads,
+                            decode)
   sm_scale = 1.0 / _math.sqrt(cache.head_dim) if scale is None else float(
       scale)
   if logits_soft_cap is not None and not logits_soft_cap > 0:
