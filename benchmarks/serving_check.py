@@ -72,6 +72,14 @@ class Run:
     with open(os.path.join(self.out, "serving_check.json"), "w") as f:
       json.dump(self.data, f, indent=1, default=str)
 
+  def record(self, key: str, rows: list, row: dict, line: str):
+    """Appends a finished config, prints it, saves, frees its arrays."""
+    rows.append(row)
+    print(line)
+    self.data[key] = rows
+    self.save()
+    gc.collect()
+
   def guard(self, name, fn, *args, **kwargs):
     try:
       return fn(*args, **kwargs)
@@ -514,13 +522,9 @@ def decode_sweep(run: Run, copy_bw: float, tilings):
       row["int8_copy_fraction"] = row["tb_s"]["sage int8/fp8 p16"] / copy_bw
     if us.get("sage bf16 p16") and cudnn:
       row["bf16_vs_cudnn"] = cudnn / us["sage bf16 p16"]
-    rows.append(row)
-    print(f"  decode B={b} S={s}: " + ", ".join(
-        f"{k} {v:.1f}us" for k, v in us.items()))
-    run.data["decode"] = rows
-    run.save()
     del pools
-    gc.collect()
+    run.record("decode", rows, row, f"  decode B={b} S={s}: " + ", ".join(
+        f"{k} {v:.1f}us" for k, v in us.items()))
   run.data["decode"] = rows
 
 
@@ -590,13 +594,9 @@ def extend_sweep(run: Run):
       return jax.nn.dot_product_attention(
           q, k, v, implementation="xla" if run.smoke else "cudnn")
     timed("cudnn dense bf16 (non-causal, all keys)", cudnn)
-    rows.append(row)
-    print(f"  extend prefix {prefix}: " + ", ".join(
-        f"{k} {v:.0f} TOPS" for k, v in row["tops"].items()))
-    run.data["extend"] = rows
-    run.save()
     del pools
-    gc.collect()
+    run.record("extend", rows, row, f"  extend prefix {prefix}: " + ", ".join(
+        f"{k} {v:.0f} TOPS" for k, v in row["tops"].items()))
   run.data["extend"] = rows
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -89,3 +91,15 @@ def _block_range(lo, full_lo, full_hi, hi, any_seen, block: int,
   full_lo_b = jnp.clip(lax.div(jnp.maximum(full_lo, 0) + bk - 1, bk), lo_b,
                        full_hi_b)
   return lo_b, full_lo_b, full_hi_b, hi_b
+
+
+def visit_blocks(blocks, body, carry):
+  """``body(j, carry, masked)`` over the masked head ``[lo, full_lo)``, the
+  unmasked middle ``[full_lo, full_hi)`` and the masked tail ``[full_hi,
+  hi)`` of ``blocks`` (as :func:`kv_block_range` returns)."""
+  lo, full_lo, full_hi, hi = blocks
+  masked = functools.partial(body, masked=True)
+  carry = lax.fori_loop(lo, full_lo, masked, carry)
+  carry = lax.fori_loop(full_lo, full_hi,
+                        functools.partial(body, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, masked, carry)

@@ -26,12 +26,11 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sagejax import quant
-from sagejax.kernels._common import kv_block_range
+from sagejax.kernels._common import kv_block_range, visit_blocks
 from sagejax.masks import MaskSpec
 
 _LOG2_P_SCALE = math.log2(quant.P_SCALE)
@@ -153,11 +152,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
   carry = (jnp.zeros((block_q, h), jnp.float32),
            jnp.full((block_q,), -jnp.inf, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
-  masked_body = functools.partial(body, masked=True)
-  carry = lax.fori_loop(blo, fblo, masked_body, carry)
-  carry = lax.fori_loop(fblo, fbhi, functools.partial(body, masked=False),
-                        carry)
-  acc, m, l = lax.fori_loop(fbhi, bhi, masked_body, carry)
+  acc, m, l = visit_blocks((blo, fblo, fbhi, bhi), body, carry)
 
   seen = (l > 0) & (rows < q_len)
   p_scale = quant.P_SCALE if fp8 else 1.0

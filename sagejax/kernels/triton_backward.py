@@ -53,7 +53,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from sagejax import quant
 from sagejax.kernels._common import (kv_block_range, q_block_range,
-                                     round_half_even)
+                                     round_half_even, visit_blocks)
 from sagejax.masks import MaskSpec
 
 _INF = float("inf")
@@ -136,15 +136,7 @@ def _query_blocks(spec: MaskSpec, k_first, cols: int, q_len, kv_len,
                     num_blocks), (k_first + cols > kv_len) | all_masked)
 
 
-def _visit(blocks, body, carry):
-  """``body(j, carry, masked)`` over the masked head, the unmasked middle
-  and the masked tail of ``blocks`` (as :func:`_key_blocks` returns)."""
-  lo, full_lo, full_hi, hi = blocks
-  masked = functools.partial(body, masked=True)
-  carry = lax.fori_loop(lo, full_lo, masked, carry)
-  carry = lax.fori_loop(full_lo, full_hi,
-                        functools.partial(body, masked=False), carry)
-  return lax.fori_loop(full_hi, hi, masked, carry)
+_visit = visit_blocks   # body(j, carry, masked) over head, middle, tail
 
 
 # ----------------------------------------------------------------------------

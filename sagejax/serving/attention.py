@@ -21,7 +21,12 @@ import numpy as np
 
 from sagejax.config import ConfigLike, SageConfig, resolve_config
 from sagejax.serving import reference, triton_paged
-from sagejax.serving.cache import PagedKVCache, _is_concrete
+from sagejax.serving.cache import (
+    PagedKVCache,
+    _is_concrete,
+    check_pages,
+    token_counts,
+)
 from sagejax.serving.reference import PagedMath
 from sagejax.serving.triton_paged import PagedTiling
 
@@ -134,13 +139,9 @@ def _check(q, cache: PagedKVCache, page_table, lengths, q_lengths,
   b = lengths.shape[0]
   if cu_seqlens is None and q.shape[0] != b:
     raise ValueError(f"q has batch {q.shape[0]}, lengths {b}.")
-  if cu_seqlens is not None and cu_seqlens.shape != (b + 1,):
-    raise ValueError(f"cu_seqlens must be int32 [B + 1] = [{b + 1}], got "
-                     f"{cu_seqlens.shape}.")
-  if q_lengths is not None and q_lengths.shape != (b,):
-    raise ValueError(f"q_lengths must be int32 [B] = [{b}], got "
-                     f"{q_lengths.shape}.")
-  if not _is_concrete(page_table, lengths, q_lengths, cu_seqlens):
+  ql = token_counts(b, q.shape[0] if cu_seqlens is not None else t_cap,
+                    q_lengths, cu_seqlens, "q_lengths")
+  if ql is None or not _is_concrete(page_table, lengths):
     return
   table = np.asarray(page_table)
   kv = np.asarray(lengths).astype(np.int64)
@@ -149,33 +150,15 @@ def _check(q, cache: PagedKVCache, page_table, lengths, q_lengths,
     raise ValueError(f"lengths must be within [0, max_pages * page_size = "
                      f"{capacity}] (what the page table can hold), got "
                      f"{kv.tolist()}.")
-  if cu_seqlens is not None:
-    cu = np.asarray(cu_seqlens).astype(np.int64)
-    if np.any(np.diff(cu) < 0) or cu[0] < 0 or cu[-1] > q.shape[0]:
-      raise ValueError(f"cu_seqlens must be non-decreasing within [0, "
-                       f"{q.shape[0]}], got {cu.tolist()}.")
-    ql = np.diff(cu)
-    if np.any(ql > t_cap):
-      raise ValueError(f"a sequence has {ql.max()} query tokens, more than "
-                       f"max_q_len={t_cap}.")
-  elif q_lengths is not None:
-    ql = np.asarray(q_lengths).astype(np.int64)
-    if np.any(ql < 0) or np.any(ql > t_cap):
-      raise ValueError(f"q_lengths must be within [0, T={t_cap}], got "
-                       f"{ql.tolist()}.")
-  else:
-    ql = np.full((b,), t_cap)
+  if np.any(ql > t_cap):
+    raise ValueError(f"a sequence has {ql.max()} query tokens, more than "
+                     f"max_q_len={t_cap}.")
   over = np.nonzero(ql > kv)[0]
   if over.size:
     raise ValueError(f"sequence {over[0]} has {ql[over[0]]} query tokens but "
                      f"only {kv[over[0]]} cached tokens; append its new "
                      "tokens before attending.")
-  for i in range(b):
-    used = table[i, :-(-kv[i] // cache.page_size)]
-    outside = (used < 0) | (used >= cache.num_pages)
-    if np.any(outside):
-      raise ValueError(f"page_table[{i}] names page {used[outside][0]} "
-                       f"outside the pool [0, {cache.num_pages}).")
+  check_pages(cache, table, np.zeros_like(kv), kv, "the cached tokens")
 
 
 def _num_splits(tiling: PagedTiling, programs: int, max_pages: int,

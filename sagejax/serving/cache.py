@@ -310,6 +310,38 @@ def token_rows(batch: int, rows: int, num_new: Optional[jax.Array],
   return seq, idx, (r >= cu[0]) & (r < cu[batch]) & (idx >= 0)
 
 
+def token_counts(batch: int, rows: int, counts: Optional[jax.Array],
+                 cu_seqlens: Optional[jax.Array], name: str
+                 ) -> Optional[np.ndarray]:
+  """New tokens per sequence of a padded batch (``counts`` int ``[B]`` within
+  ``[0, T = rows]``, default T) or a packed one (``cu_seqlens [B + 1]`` over
+  ``rows`` rows). Checks shapes always and values when concrete; returns the
+  counts (numpy), or None under ``jit``."""
+  if cu_seqlens is not None:
+    if cu_seqlens.shape != (batch + 1,):
+      raise ValueError(f"cu_seqlens must be int32 [B + 1] = [{batch + 1}], "
+                       f"got {cu_seqlens.shape}.")
+    if not _is_concrete(cu_seqlens):
+      return None
+    cu = np.asarray(cu_seqlens).astype(np.int64)
+    if np.any(np.diff(cu) < 0) or cu[0] < 0 or cu[-1] > rows:
+      raise ValueError(f"cu_seqlens must be non-decreasing within [0, "
+                       f"{rows}], got {cu.tolist()}.")
+    return np.diff(cu)
+  if counts is None:
+    return np.full((batch,), rows)
+  if counts.shape != (batch,):
+    raise ValueError(f"{name} must be int32 [B] = [{batch}], got "
+                     f"{counts.shape}.")
+  if not _is_concrete(counts):
+    return None
+  count = np.asarray(counts).astype(np.int64)
+  if np.any(count < 0) or np.any(count > rows):
+    raise ValueError(f"{name} must be within [0, T={rows}], got "
+                     f"{count.tolist()}.")
+  return count
+
+
 def _check_append(cache: PagedKVCache, k, v, page_table, positions, num_new,
                   cu_seqlens) -> None:
   """Shape checks always; value checks when the inputs are concrete."""
@@ -330,26 +362,12 @@ def _check_append(cache: PagedKVCache, k, v, page_table, positions, num_new,
   if positions.shape[0] != b or (not packed and k.shape[0] != b):
     raise ValueError(f"batch sizes disagree: page_table {b}, positions "
                      f"{positions.shape[0]}, k {k.shape[0]}.")
-  if packed and cu_seqlens.shape != (b + 1,):
-    raise ValueError(f"cu_seqlens must be int32 [B + 1] = [{b + 1}], got "
-                     f"{cu_seqlens.shape}.")
-  if not _is_concrete(page_table, positions, num_new, cu_seqlens):
+  count = token_counts(b, k.shape[0 if packed else 1], num_new, cu_seqlens,
+                       "num_new")
+  if count is None or not _is_concrete(page_table, positions):
     return
   table = np.asarray(page_table)
   pos = np.asarray(positions).astype(np.int64)
-  if packed:
-    cu = np.asarray(cu_seqlens).astype(np.int64)
-    if np.any(np.diff(cu) < 0) or cu[0] < 0 or cu[-1] > k.shape[0]:
-      raise ValueError(f"cu_seqlens must be non-decreasing within [0, "
-                       f"{k.shape[0]}], got {cu.tolist()}.")
-    count = np.diff(cu)
-  elif num_new is not None:
-    count = np.asarray(num_new).astype(np.int64)
-    if np.any(count < 0) or np.any(count > k.shape[1]):
-      raise ValueError(f"num_new must be within [0, T={k.shape[1]}], got "
-                       f"{count.tolist()}.")
-  else:
-    count = np.full((b,), k.shape[1])
   if np.any(pos < 0):
     raise ValueError(f"positions must be >= 0, got {pos.tolist()}.")
   capacity = table.shape[1] * cache.page_size
@@ -360,16 +378,22 @@ def _check_append(cache: PagedKVCache, k, v, page_table, positions, num_new,
         f"appending {count[i]} tokens at position {pos[i]} runs past sequence "
         f"{i}'s pages ({table.shape[1]} pages of {cache.page_size} = "
         f"{capacity} tokens); give it more pages in page_table.")
-  for i in range(b):
-    if count[i] == 0:
+  check_pages(cache, table, pos, pos + count, "the tokens being appended")
+
+
+def check_pages(cache: PagedKVCache, table: np.ndarray, lo: np.ndarray,
+                hi: np.ndarray, what: str) -> None:
+  """``ValueError`` if a page holding tokens ``[lo[b], hi[b])`` of sequence b
+  (concrete ``table [B, max_pages]``) is outside the pool."""
+  ps = cache.page_size
+  for i in range(table.shape[0]):
+    if hi[i] <= lo[i]:
       continue
-    used = table[i, pos[i] // cache.page_size:
-                 (pos[i] + count[i] - 1) // cache.page_size + 1]
-    bad = (used < 0) | (used >= cache.num_pages)
-    if np.any(bad):
-      raise ValueError(
-          f"page_table[{i}] names page {used[bad][0]} outside the pool [0, "
-          f"{cache.num_pages}) for the tokens being appended.")
+    used = table[i, lo[i] // ps:(hi[i] - 1) // ps + 1]
+    outside = (used < 0) | (used >= cache.num_pages)
+    if np.any(outside):
+      raise ValueError(f"page_table[{i}] names page {used[outside][0]} "
+                       f"outside the pool [0, {cache.num_pages}) for {what}.")
 
 
 def append(cache: PagedKVCache, k: jax.Array, v: jax.Array,

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sagejax import quant
-from sagejax.kernels._common import round_half_even
+from sagejax.kernels._common import kv_block_range, visit_blocks, round_half_even
 from sagejax.serving.reference import PagedMath, soft_cap_logits
 
 # Page-table entries checked per step of the validity scan.
@@ -128,22 +128,17 @@ def _kernel(qstart_ref, qlen_ref, qcap_ref, kvlen_ref, q_ref, pt_ref, k_ref,
   else:
     q_op = q.astype(k_ref.dtype)
 
-  # Keys [lo, hi) may be seen by some row, [full_lo, full_hi) by every row.
+  # Key blocks [blo, bhi) may be seen by some row, [f_lo, f_hi) by every
+  # row; this split takes its share of [blo, bhi).
   q_last = jnp.minimum(q_first + bt, q_len) - 1
-  offset = kv_len - q_len
-  hi = jnp.where(q_first < q_len, jnp.minimum(kv_len, q_last + offset + 1), 0)
-  full_hi = jnp.minimum(kv_len, q_first + offset + 1)
-  lo, full_lo = 0, 0
-  if math.window is not None:
-    lo = jnp.maximum(q_first + offset - math.window, 0)
-    full_lo = q_last + offset - math.window
-  blo = lo // bk
-  bhi = jnp.maximum(_cdiv(hi, bk), blo)
+  blo, f_lo, f_hi, bhi = kv_block_range(
+      math.mask, q_first, q_last, q_len, kv_len, bk,
+      _cdiv(max_pages * ps, bk))
   chunk = _cdiv(bhi - blo, num_splits)
   s_lo = jnp.minimum(blo + split * chunk, bhi)
   s_hi = jnp.minimum(s_lo + chunk, bhi)
-  f_lo = jnp.clip(_cdiv(full_lo, bk), s_lo, s_hi)
-  f_hi = jnp.clip(full_hi // bk, f_lo, s_hi)
+  f_lo = jnp.clip(f_lo, s_lo, s_hi)
+  f_hi = jnp.clip(f_hi, f_lo, s_hi)
 
   def body(j, carry, masked: bool):
     acc, m, l = carry
@@ -199,11 +194,7 @@ def _kernel(qstart_ref, qlen_ref, qcap_ref, kvlen_ref, q_ref, pt_ref, k_ref,
   carry = (jnp.zeros((rows, h), jnp.float32),
            jnp.full((rows,), -jnp.inf, jnp.float32),
            jnp.zeros((rows,), jnp.float32))
-  masked_body = functools.partial(body, masked=True)
-  carry = lax.fori_loop(s_lo, f_lo, masked_body, carry)
-  carry = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False),
-                        carry)
-  acc, m, l = lax.fori_loop(f_hi, s_hi, masked_body, carry)
+  acc, m, l = visit_blocks((s_lo, f_lo, f_hi, s_hi), body, carry)
 
   # The first split checks every page holding the sequence's tokens.
   n_used = _cdiv(kv_len, ps)
