@@ -501,3 +501,34 @@ def test_gpu_decode_and_extend_match_xla(next_key, quantized, ps):
   valid = (np.arange(130)[None] < np.asarray([128, 40, 130])[:, None])
   assert np.all(np.asarray(got, np.float32)[~valid] == 0)
   assert _rel(got, want, valid[..., None, None]) < 1e-2
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_non_finite_inputs_show_as_in_exact_attention(next_key, quantized):
+  """A NaN key, a NaN value channel and an Inf query give NaN exactly where
+  dense attention over the same tokens does; they never reach the cache's
+  smoothing vectors (set by this very append) or other sequences."""
+  q, k, v = (np.array(x) for x in _tokens(next_key(), 3, 1, 20, 4, 2, 32,
+                                          "channel_bias"))
+  k[0, 3, 1, 5] = np.nan           # sequence 0, token 3, KV head 1
+  v[1, 2, 0, 7] = np.nan           # sequence 1, token 2, KV head 0, channel 7
+  q[2, 0, 3, 0] = np.inf           # sequence 2, query head 3
+  table = jnp.asarray([[0, 1], [2, 3], [4, 5]], jnp.int32)
+  cache = serving.PagedKVCache.create(num_pages=6, page_size=16,
+                                      num_kv_heads=2, head_dim=32,
+                                      quantized=quantized, dtype=jnp.float32)
+  cache = serving.append(cache, jnp.asarray(k), jnp.asarray(v), table,
+                         jnp.zeros(3, jnp.int32))
+  if quantized:
+    assert np.all(np.isfinite(cache.k_smooth))
+    assert np.all(np.isfinite(cache.v_smooth))
+  lens = jnp.full((3,), 20, jnp.int32)
+  exact = _dense(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                 jnp.ones(3, jnp.int32), lens)[:, 0]
+  want = np.isnan(np.asarray(exact)) | np.isinf(np.asarray(exact))
+  assert want.any() and not want.all()
+  for impl, interpret in IMPLS:
+    out = np.asarray(serving.decode_attention(
+        jnp.asarray(q[:, 0]), cache, table, lens, implementation=impl,
+        interpret=interpret))
+    np.testing.assert_array_equal(~np.isfinite(out), want)

@@ -62,6 +62,8 @@ _PER_TOKEN = SageConfig(qk_dtype="int8", qk_granularity="per_token")
 # ----------------------------------------------------------------------------
 
 
+
+
 def quantize_keys(k: jax.Array, smooth: Optional[jax.Array]
                   ) -> tuple[jax.Array, jax.Array]:
   """K rows ``[..., K, H]`` → (int8 ``[..., K, H]``, f32 scale ``[..., K]``).
@@ -71,7 +73,12 @@ def quantize_keys(k: jax.Array, smooth: Optional[jax.Array]
   x = k.astype(jnp.float32)
   if smooth is not None:
     x = x - smooth
-  return quant.quantize_groups(x, "k", _PER_TOKEN)
+  values, scale = quant.quantize_groups(x, "k", _PER_TOKEN)
+  # A key with a NaN/Inf gets scale NaN (its logits are NaN, as exact
+  # attention's q·k would be) and values 0.
+  finite = jnp.all(jnp.isfinite(x), axis=-1)
+  return (jnp.where(finite[..., None], values, jnp.int8(0)),
+          jnp.where(finite, scale, jnp.nan))
 
 
 def quantize_values(v: jax.Array, smooth: Optional[jax.Array]
@@ -84,8 +91,14 @@ def quantize_values(v: jax.Array, smooth: Optional[jax.Array]
   x = v.astype(jnp.float32)
   if smooth is not None:
     x = x - smooth
-  values, scale = quant.quantize_v_fp8(jnp.swapaxes(x, -1, -2))
-  return jnp.swapaxes(values, -1, -2), scale
+  # Scales from the finite entries; a NaN/Inf entry is stored as FP8 NaN, so
+  # it reaches the output channel it would in exact attention.
+  finite = jnp.isfinite(x)
+  values, scale = quant.quantize_v_fp8(
+      jnp.swapaxes(jnp.where(finite, x, 0.0), -1, -2))
+  values = jnp.where(finite, jnp.swapaxes(values, -1, -2),
+                     jnp.asarray(jnp.nan, quant.FP8_DTYPE))
+  return values, scale
 
 
 def dequantize_keys(values: jax.Array, scale: jax.Array,
@@ -456,14 +469,19 @@ def _append_impl(cache: PagedKVCache, k, v, page_table, positions, num_new,
   updates = {}
   k_smooth = v_smooth = None
   if cache.k_smooth is not None:
-    # Fixed by the first append that brings any token: the mean of its tokens.
-    w = valid[:, None, None]
-    count = jnp.maximum(jnp.sum(valid), 1)
+    # Fixed by the first append that brings any token: the mean of its
+    # (finite) tokens, per KV head.
     fresh = jnp.logical_not(cache.smooth_fixed)
-    k_smooth, v_smooth = (
-        jnp.where(fresh, jnp.sum(jnp.where(w, x.astype(jnp.float32), 0.0),
-                                 axis=0) / count, old)
-        for x, old in ((rows_k, cache.k_smooth), (rows_v, cache.v_smooth)))
+
+    def mean(x, old):
+      x = x.astype(jnp.float32)
+      w = valid[:, None] & jnp.all(jnp.isfinite(x), axis=-1)   # [n, K]
+      total = jnp.sum(jnp.where(w[..., None], x, 0.0), axis=0)
+      count = jnp.maximum(jnp.sum(w, axis=0), 1)[:, None]
+      return jnp.where(fresh, total / count, old)
+
+    k_smooth = mean(rows_k, cache.k_smooth)
+    v_smooth = mean(rows_v, cache.v_smooth)
     updates = dict(k_smooth=k_smooth, v_smooth=v_smooth,
                    smooth_fixed=cache.smooth_fixed | jnp.any(valid))
   k8, ks = quantize_keys(rows_k, k_smooth)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from sagejax import quant
+from sagejax.kernels._common import round_half_even
 from sagejax.masks import MaskSpec
 from sagejax.serving.cache import PagedKVCache
 
@@ -65,15 +66,21 @@ class PagedMath:
                     window=window, q_len=0, kv_len=0)
 
 
-_PER_ROW = quant.SageConfig(qk_granularity="per_token")
-
-
-def quantize_query(q: jax.Array, sm_scale: float
+def quantize_query(q: jax.Array, sm_scale: float, interpret: bool = True
                    ) -> tuple[jax.Array, jax.Array]:
-  """Rows ``[..., H]`` → (int8, f32 scale ``[...]`` × sm_scale·log2(e))."""
-  values, scale = quant.quantize_groups(q.astype(jnp.float32)[..., None, :],
-                                        "q", _PER_ROW)
-  return values[..., 0, :], scale[..., 0] * (sm_scale * quant.LOG2E)
+  """Rows ``[..., H]`` → (int8, f32 scale ``[...]`` × sm_scale·log2(e)).
+
+  :func:`sagejax.quant.quantize_int` per row, written with kernel-lowerable
+  ops (the kernel calls it too; ``interpret=False`` rounds with PTX). A row
+  with a NaN/Inf gets scale NaN, so its attention is NaN.
+  """
+  q = q.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(q), axis=-1)
+  scale = quant.scale_from_amax(amax, 127.0)
+  values = jnp.clip(round_half_even(q / scale[..., None], interpret), -127.0,
+                    127.0).astype(jnp.int8)
+  scale = jnp.where(jnp.isfinite(amax), scale, jnp.nan)
+  return values, scale * (sm_scale * quant.LOG2E)
 
 
 def soft_cap_logits(s2: jax.Array, shift: Optional[jax.Array], cap: float
@@ -184,7 +191,7 @@ def paged_attention(q: jax.Array, q_len: jax.Array, cache: PagedKVCache,
     out = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
   l = jnp.transpose(l, (0, 3, 1, 2))[..., None]            # [B, T, K, G, 1]
-  seen = l > 0
+  seen = ~(l <= 0)                        # a NaN row sum counts: NaN output
   out = jnp.where(seen, out / jnp.where(seen, l, 1.0), 0.0)
   if cache.v_smooth is not None:
     out = jnp.where(seen, out + cache.v_smooth[:, None, :], 0.0)

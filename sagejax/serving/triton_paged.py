@@ -40,8 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sagejax import quant
-from sagejax.kernels._common import kv_block_range, visit_blocks, round_half_even
-from sagejax.serving.reference import PagedMath, soft_cap_logits
+from sagejax.kernels._common import kv_block_range, visit_blocks
+from sagejax.serving.reference import PagedMath, quantize_query, soft_cap_logits
 
 # Page-table entries checked per step of the validity scan.
 _TABLE_CHUNK = 128
@@ -118,13 +118,10 @@ def _kernel(qstart_ref, qlen_ref, qcap_ref, kvlen_ref, q_ref, pt_ref, k_ref,
 
   shift = None
   if quantized:
-    qf = q.astype(jnp.float32)
-    q_scale = quant.scale_from_amax(jnp.max(jnp.abs(qf), axis=1), 127.0)
-    q_op = jnp.clip(round_half_even(qf / q_scale[:, None], interpret), -127.0,
-                    127.0).astype(jnp.int8)
-    q_scale = q_scale * (math.sm_scale * quant.LOG2E)
+    q_op, q_scale = quantize_query(q, math.sm_scale, interpret)
     if math.soft_cap is not None and km_ref is not None:
-      shift = jnp.sum(qf * km_ref[...][None, :], axis=1) * math.sm_scale
+      shift = jnp.sum(q.astype(jnp.float32) * km_ref[...][None, :],
+                      axis=1) * math.sm_scale
   else:
     q_op = q.astype(k_ref.dtype)
 
@@ -210,7 +207,8 @@ def _kernel(qstart_ref, qlen_ref, qcap_ref, kvlen_ref, q_ref, pt_ref, k_ref,
 
   bad = bad | (lax.fori_loop(0, n_chunks, check, jnp.int32(0)) > 0)
 
-  seen = (l > 0) & (tok < q_len)     # padding rows ride along unmasked blocks
+  # Padding rows ride along unmasked blocks; a NaN row sum counts as seen.
+  seen = ~(l <= 0) & (tok < q_len)
   out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
   if lse_ref is None and vm_ref is not None:
     out = jnp.where(seen[:, None], out + vm_ref[...][None, :], 0.0)
