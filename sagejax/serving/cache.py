@@ -17,14 +17,17 @@ measured error against a bf16 cache on channel-outlier data (README,
 * V: FP8 e4m3, one scale per token and head (``v_scales``), of V minus
   ``v_smooth [K, H]``. Attention adds ``v_smooth`` back to its output (rows of
   the softmax sum to one), so this is exact up to FP8 rounding.
-* The smoothing vectors are the means of the tokens of the first append that
-  brings any token into the cache (over all its sequences), then fixed
-  (``smooth_fixed``). Softmax is invariant to any fixed shift of every key of
+* The smoothing vectors are the means of the (finite) tokens of the first
+  append that brings any token into the cache (over all its sequences), then
+  fixed (``smooth_fixed``). Softmax is invariant to any fixed shift of every key of
   a row, so K smoothing stays exact as the cache grows and as sequences come
   and go; only the rounding error depends on the vector. Channel outliers in
   LLM activations are properties of the model's channels, shared by all
   sequences: measured on the channel-bias data, one vector per head gives the
   same error as a per-sequence mean (README) without any per-page state.
+
+Non-finite entries stay visible, as in exact attention: a key with a NaN/Inf
+gets scale NaN, a NaN/Inf value entry is stored as FP8 NaN.
 
 A :class:`PagedKVCache` is a pytree with no per-request Python state: page
 tables, positions and lengths are arrays, so one jitted serving step handles
