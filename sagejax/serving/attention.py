@@ -37,8 +37,17 @@ SERVING_CONFIG = SageConfig(qk_granularity="per_token", pv_dtype="fp16")
 values (exact in FP16); FP8 P (``pv_dtype="fp8_e4m3"``) is no faster on the
 FP16 tensor cores the kernel multiplies on, and adds P's rounding."""
 
-# Programs the split count aims at (about two per SM of an H100/H200).
-_TARGET_PROGRAMS = 264
+
+
+@functools.cache
+def _target_programs() -> int:
+  """Programs the automatic split count aims at: two per SM (H100/H200: 132
+  SMs), the device's own count when it reports one."""
+  try:
+    sms = int(getattr(jax.devices()[0], "core_count", 0) or 0)
+  except (RuntimeError, TypeError, ValueError):
+    sms = 0
+  return 2 * (sms if sms > 1 else 132)
 
 
 def default_tiling(page_size: int, groups: int, decode: bool) -> PagedTiling:
@@ -166,7 +175,7 @@ def _num_splits(tiling: PagedTiling, programs: int, max_pages: int,
   if tiling.num_splits is not None:
     return tiling.num_splits
   blocks = -(-max_pages * page_size // max(tiling.block_k, page_size))
-  return int(max(1, min(blocks, -(-_TARGET_PROGRAMS // max(programs, 1)))))
+  return int(max(1, min(blocks, -(-_target_programs() // max(programs, 1)))))
 
 
 @functools.partial(jax.jit, static_argnames=(
