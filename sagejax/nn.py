@@ -95,7 +95,7 @@ def _mean_value_where_unseen(out: Array, lse: Array, value: Array) -> Array:
   n, kv_heads = out.shape[2], value.shape[2]
   mean = jnp.mean(value.astype(jnp.float32), axis=1)           # [B, K, H]
   mean = jnp.repeat(mean, n // kv_heads, axis=1)[:, None]      # [B, 1, N, H]
-  unseen = ~jnp.isfinite(jnp.swapaxes(lse, 1, 2))[..., None]  # [B, T, N, 1]
+  unseen = (jnp.swapaxes(lse, 1, 2) == -jnp.inf)[..., None]   # [B, T, N, 1]
   return jnp.where(unseen, mean.astype(out.dtype), out)
 
 

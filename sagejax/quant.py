@@ -21,6 +21,26 @@ The pieces, in the order a forward pass uses them:
 * FP8 e4m3: V per channel (scale = max|V[:, c]| / 448); P̃ = exp2(s − m) ∈ [0, 1]
   times the static 448.
 
+NaN and Inf (what every backend and kernel must do, so that a non-finite
+input shows in the output as it does in exact attention, never vanishes):
+
+* Q/K: a token holding a NaN or ±Inf gets scale NaN and values 0
+  (:func:`group_scales`); its group's other tokens are scaled by the largest
+  *finite* magnitude of the group. The dequantized scores of that token are
+  then NaN: a poisoned query row gives a NaN output row, a poisoned key gives
+  NaN in exactly the rows that may see it (masking replaces the score first).
+* V: a channel holding a NaN or ±Inf gets scale NaN, whatever the P·V dtype
+  (FP8 values of that channel are 0): output channel ``c`` is NaN in every row
+  of that (batch, KV head), as in dense exact attention where ``0·NaN`` is NaN.
+* Means (K, V and Q-block smoothing) sum the finite values only
+  (:func:`finite_part`), so one poisoned token does not poison the tokens it
+  is subtracted from; it stays non-finite itself.
+* An attention kernel counts a row whose running sum ``l`` is NaN as seen
+  (``l != 0``, not ``l > 0``): its output and LSE are NaN, never the zeros of a
+  row that sees no key. Kernels read non-finiteness with comparisons
+  (``|x| < inf`` is False for NaN and ±Inf) because Triton's ``max`` ignores
+  NaN.
+
 :func:`quantize` pads T to a multiple of ``block_q`` and S to a multiple of
 ``block_k`` (padding tokens are zero, so they never change a scale) and
 returns a :class:`QuantizedQKV`, the interface every attention backend takes.
@@ -130,10 +150,26 @@ def group_max(row_values: jax.Array, role: Role, config: SageConfig
   return jnp.broadcast_to(g, v.shape).reshape(*lead, n)
 
 
+def abs_max(x: jax.Array, axis: int = -1) -> jax.Array:
+  """max |x| along ``axis``, f32; +inf where the values hold a NaN or ±Inf.
+
+  Never NaN: reductions may drop NaN (Triton's ``max`` is ``maxnum``, and so
+  is XLA's CPU reduction on some shapes), so NaN is read as +inf first.
+  """
+  a = jnp.abs(x.astype(jnp.float32))
+  return jnp.max(jnp.where(a < jnp.inf, a, jnp.inf), axis=axis)
+
+
+def row_amax(x: jax.Array) -> jax.Array:
+  """:func:`abs_max` over the channels of ``x [..., T, H]``: f32 ``[..., T]``,
+  +inf for a token holding a NaN or ±Inf."""
+  return abs_max(x, axis=-1)
+
+
 def group_amax(x: jax.Array, role: Role, config: SageConfig) -> jax.Array:
-  """max |x| over each quantization group, broadcast to ``[..., T]``."""
-  return group_max(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1), role,
-                   config)
+  """max |x| over the finite tokens of each quantization group, ``[..., T]``."""
+  amax = row_amax(x)
+  return group_max(jnp.where(amax < jnp.inf, amax, 0.0), role, config)
 
 
 # ----------------------------------------------------------------------------
@@ -142,17 +178,33 @@ def group_amax(x: jax.Array, role: Role, config: SageConfig) -> jax.Array:
 
 
 def scale_from_amax(amax: jax.Array, qmax: float) -> jax.Array:
-  """Symmetric scale: ``amax / qmax``; an all-zero group gets scale 1."""
-  return jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+  """Symmetric scale: ``amax / qmax``; an all-zero group gets scale 1, a NaN
+  or infinite ``amax`` scale NaN."""
+  scale = jnp.where(amax > 0, amax / qmax, 1.0)
+  return jnp.where(amax < jnp.inf, scale, jnp.nan).astype(jnp.float32)
+
+
+def group_scales(row_amax_: jax.Array, role: Role, config: SageConfig
+                 ) -> jax.Array:
+  """Per-token scales ``[..., T]`` from per-token :func:`row_amax` values.
+
+  A token's scale is its group's largest finite magnitude over ``qmax``; a
+  non-finite token (``row_amax`` inf) gets NaN. Pure ``jnp`` on a block of
+  rows, so the quantization kernels call it as is.
+  """
+  finite = row_amax_ < jnp.inf
+  amax = group_max(jnp.where(finite, row_amax_, 0.0), role, config)
+  return jnp.where(finite, scale_from_amax(amax, config.qmax), jnp.nan)
 
 
 def quantize_int(x: jax.Array, scale: jax.Array, qmax: int) -> jax.Array:
   """``round(x / scale)`` (nearest even), clipped to ±qmax, as int8.
 
-  ``scale`` is per token, ``[..., T]``.
+  ``scale`` is per token, ``[..., T]``; a token with scale NaN gets zeros.
   """
   y = x.astype(jnp.float32) / scale[..., None]
-  return jnp.clip(jnp.round(y), -qmax, qmax).astype(jnp.int8)
+  y = jnp.clip(jnp.round(y), -qmax, qmax)
+  return jnp.where(jnp.isnan(scale)[..., None], 0.0, y).astype(jnp.int8)
 
 
 def quantize_groups(x: jax.Array, role: Role, config: SageConfig
@@ -160,10 +212,10 @@ def quantize_groups(x: jax.Array, role: Role, config: SageConfig
   """Quantizes Q or K ``[..., T, H]`` at the config's granularity and dtype.
 
   Returns ``(values int8 [..., T, H], scale f32 [..., T])`` with
-  ``x ≈ values * scale[..., None]``. INT4 values are not packed here; see
-  :func:`pack_int4`.
+  ``x ≈ values * scale[..., None]``; a token holding a NaN or ±Inf gets values
+  0 and scale NaN. INT4 values are not packed here; see :func:`pack_int4`.
   """
-  scale = scale_from_amax(group_amax(x, role, config), config.qmax)
+  scale = group_scales(row_amax(x), role, config)
   return quantize_int(x, scale, config.qmax), scale
 
 
@@ -205,12 +257,20 @@ def quantize_v_fp8(v: jax.Array) -> tuple[jax.Array, jax.Array]:
   """V ``[..., S, H]`` to FP8 e4m3 with one scale per channel.
 
   Returns ``(values e4m3 [..., S, H], scale f32 [..., H])``,
-  ``scale = max_s |V[s, c]| / 448`` (1 for an all-zero channel).
+  ``scale = max_s |V[s, c]| / 448`` (1 for an all-zero channel; NaN, with
+  values 0, for a channel holding a NaN or ±Inf).
   """
-  amax = jnp.max(jnp.abs(v.astype(jnp.float32)), axis=-2)
-  scale = scale_from_amax(amax, FP8_MAX)
+  scale = scale_from_amax(abs_max(v, axis=-2), FP8_MAX)
   y = jnp.clip(v.astype(jnp.float32) / scale[..., None, :], -FP8_MAX, FP8_MAX)
+  y = jnp.where(jnp.isnan(scale)[..., None, :], 0.0, y)
   return y.astype(FP8_DTYPE), scale
+
+
+def unit_v_scale(v: jax.Array) -> jax.Array:
+  """The V scale of 16-bit P·V operands, f32 ``[..., H]``: 1, or NaN for a
+  channel of ``v [..., S, H]`` holding a NaN or ±Inf."""
+  return jnp.where(abs_max(v, axis=-2) < jnp.inf, 1.0, jnp.nan
+                   ).astype(jnp.float32)
 
 
 def quantize_p_fp8(p: jax.Array) -> jax.Array:
@@ -238,10 +298,18 @@ def _valid_tokens(n: int, lengths: Optional[jax.Array], lead_ndim: int):
   return valid.reshape(valid.shape[:1] + (1,) * (lead_ndim - 1) + (n, 1))
 
 
+def finite_part(x: jax.Array) -> jax.Array:
+  """``x`` with NaN and ±Inf read as 0 (what the smoothing means sum)."""
+  return jnp.where(jnp.abs(x) < jnp.inf, x, jnp.zeros((), x.dtype))
+
+
 def token_mean(x: jax.Array, lengths: Optional[jax.Array] = None
                ) -> jax.Array:
-  """Mean over the valid tokens of ``x [B, ..., T, H]``: f32 ``[B, ..., H]``."""
-  x = x.astype(jnp.float32)
+  """Mean over the valid tokens of ``x [B, ..., T, H]``: f32 ``[B, ..., H]``.
+
+  Non-finite values count as 0 (:func:`finite_part`).
+  """
+  x = finite_part(x.astype(jnp.float32))
   valid = _valid_tokens(x.shape[-2], lengths, x.ndim - 2)
   if valid is None:
     return jnp.mean(x, axis=-2)
@@ -252,9 +320,10 @@ def token_mean(x: jax.Array, lengths: Optional[jax.Array] = None
 
 def block_mean(x: jax.Array, block: int, lengths: Optional[jax.Array] = None
                ) -> jax.Array:
-  """Mean of each block of ``block`` tokens: f32 ``[B, ..., T/block, H]``."""
+  """Mean of each block of ``block`` tokens: f32 ``[B, ..., T/block, H]``
+  (non-finite values count as 0)."""
   *lead, n, h = x.shape
-  x = x.astype(jnp.float32)
+  x = finite_part(x.astype(jnp.float32))
   valid = _valid_tokens(n, lengths, len(lead))
   if valid is None:
     valid = jnp.ones((1,) * len(lead) + (n, 1), bool)
@@ -288,7 +357,8 @@ class QuantizedQKV:
     k: int8 ``[B, K, S_pad, H]`` or packed ``[B, K, S_pad, H/2]``.
     k_scale: f32 ``[B, K, S_pad]``.
     v: ``[B, K, S_pad, H]`` in the P·V operand type (FP8 e4m3, FP16, BF16).
-    v_scale: f32 ``[B, K, H]``; multiplies the output (ones unless FP8).
+    v_scale: f32 ``[B, K, H]``; multiplies the output (ones unless FP8;
+      NaN for a channel holding a NaN or ±Inf).
     v_mean: f32 ``[B, K, H]`` added to the output when V was smoothed, else
       None.
     delta_s: f32 ``[B, N, T_pad / block_q, S_pad]``, ΔS = q̄·γ(K)ᵀ in base-2
@@ -390,7 +460,7 @@ def quantize_v(v: jax.Array, config: SageConfig,
   else:
     dtype = jnp.float16 if config.pv_dtype == "fp16" else jnp.bfloat16
     values = v.astype(dtype)
-    scale = jnp.ones(v.shape[:-2] + v.shape[-1:], jnp.float32)
+    scale = unit_v_scale(v)
   return values, scale, v_mean
 
 

@@ -140,9 +140,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
     if v_mean is not None:
       centred = centred - v_mean[..., None, :]
     v_scale = quant.scale_from_amax(
-        jnp.max(jnp.abs(quant.zero_padding(centred, kv_lengths)), axis=-2),
+        quant.abs_max(quant.zero_padding(centred, kv_lengths), axis=-2),
         quant.FP8_MAX)
-  else:
+  else:  # ones, NaN for a non-finite channel (from the V kernel below)
     v_scale = jnp.ones((b, kh, head_dim), jnp.float32)
 
   q_vals, q_scale, q_bmean = triton_quantize.quantize_qk(
@@ -154,7 +154,11 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   v_vals = triton_quantize.quantize_v(
       v, kv_lengths, v_mean, v_scale, config=config, layout=layout,
       transpose=v_transposed, store_dtype=v_store_dtype,
-      wgmma_key_order=v_wgmma_key_order, interpret=interpret)
+      wgmma_key_order=v_wgmma_key_order, interpret=interpret,
+      return_nonfinite=config.pv_dtype != "fp8_e4m3")
+  if config.pv_dtype != "fp8_e4m3":
+    v_vals, nonfinite = v_vals
+    v_scale = jnp.where(jnp.max(nonfinite, axis=2) > 0, jnp.nan, v_scale)
   delta_s = None
   if q_bmean is not None:
     k_smoothed = k_canon.astype(jnp.float32)
@@ -164,8 +168,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
         q_bmean, quant.zero_padding(k_smoothed, kv_lengths), call.sm_scale)
   lse_shift = None
   if k_mean is not None:
-    lse_shift = quant.lse_shift(to_canonical(call.q, layout), k_mean,
-                                call.sm_scale)
+    lse_shift = quant.lse_shift(
+        quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
+        k_mean, call.sm_scale)
   qkv = quant.QuantizedQKV(q=q_vals, q_scale=q_scale, k=k_vals,
                            k_scale=k_scale, v=v_vals, v_scale=v_scale,
                            v_mean=v_mean, delta_s=delta_s, lse_shift=lse_shift)

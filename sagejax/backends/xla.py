@@ -107,12 +107,13 @@ def attend_quantized(qkv: quant.QuantizedQKV, config: SageConfig,
           jnp.zeros((b, kh, g, t_pad, h), jnp.float32))
   (m, l, acc), _ = jax.lax.scan(block, init, jnp.arange(s_pad // bk))
   p_scale = quant.P_SCALE if fp8 else 1.0
-  inv_l = jnp.where(l > 0, 1.0 / (l * p_scale), 0.0)
+  seen = l != 0  # a NaN sum (poisoned input) counts as seen: NaN out
+  inv_l = jnp.where(seen, 1.0 / (l * p_scale), 0.0)
   out = acc * inv_l[..., None] * qkv.v_scale[:, :, None, None, :]
   if qkv.v_mean is not None:
-    out = jnp.where(l[..., None] > 0, out + qkv.v_mean[:, :, None, None, :],
-                    0.0)
-  lse = jnp.where(l > 0, (m + jnp.log2(jnp.where(l > 0, l, 1.0))) * quant.LN2,
+    out = out + qkv.v_mean[:, :, None, None, :]
+  out = jnp.where(seen[..., None], out, 0.0)  # also past a NaN V scale
+  lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * quant.LN2,
                   -jnp.inf)
   out = out.reshape(b, n, t_pad, h)[:, :, :t]
   return out, lse.reshape(b, n, t_pad)[:, :, :t]

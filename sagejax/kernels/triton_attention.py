@@ -154,12 +154,16 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
            jnp.zeros((block_q,), jnp.float32))
   acc, m, l = visit_blocks((blo, fblo, fbhi, bhi), body, carry)
 
-  seen = (l > 0) & (rows < q_len)
+  # l != 0, not l > 0: a NaN sum (a poisoned input, quant's NaN scales) is
+  # seen and gives NaN; a row that sees no key gives zeros, even past a NaN V
+  # scale.
+  seen = (l != 0) & (rows < q_len)
   p_scale = quant.P_SCALE if fp8 else 1.0
   inv = jnp.where(seen, 1.0 / (jnp.where(seen, l, 1.0) * p_scale), 0.0)
   out = acc * inv[:, None] * vs_ref[...][None, :]
   if vm_ref is not None:
-    out = jnp.where(seen[:, None], out + vm_ref[...][None, :], 0.0)
+    out = out + vm_ref[...][None, :]
+  out = jnp.where(seen[:, None], out, 0.0)
   o_ref[...] = out.astype(o_ref.dtype)
   lse_ref[...] = jnp.where(
       seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * quant.LN2, -jnp.inf)

@@ -6,7 +6,9 @@ quantized block in the layout the attention kernel reads. The math is
 :mod:`sagejax.quant`'s, and so is the group layout: the kernels call
 :func:`sagejax.quant.group_max` on their block of rows, never re-deriving
 it. Reductions over *all* tokens (K's and V's means, V's per-channel max) are
-computed by XLA beforehand and passed in.
+computed by XLA beforehand and passed in. Non-finite inputs follow
+:mod:`sagejax.quant`'s rules (NaN scales, values 0), read with comparisons
+since Triton's ``max`` ignores NaN.
 """
 
 from __future__ import annotations
@@ -48,18 +50,19 @@ def _quantize_qk_kernel(x_ref, len_ref, mean_ref, val_ref, scale_ref,
       x = x - mean_ref[pl.ds(c * hc, hc)][None, :]
     if bmean_ref is not None:  # Q: the mean of this block's valid rows.
       count = jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
-      m = jnp.sum(x, axis=0) / count
+      m = jnp.sum(quant.finite_part(x), axis=0) / count
       bmean_ref[pl.ds(c * hc, hc)] = m
       x = x - m[None, :]
     xs.append(jnp.where(valid, x, 0.0))
-  row_amax = jnp.max(jnp.abs(xs[0]), axis=1)
+  row_amax = quant.row_amax(xs[0])  # +inf for a row holding a NaN or Inf
   for x in xs[1:]:
-    row_amax = jnp.maximum(row_amax, jnp.max(jnp.abs(x), axis=1))
-  amax = quant.group_max(row_amax, role, config)
+    row_amax = jnp.maximum(row_amax, quant.row_amax(x))
+  scale = quant.group_scales(row_amax, role, config)  # NaN for such a row
+  finite = (row_amax < jnp.inf)[:, None]
   qmax = config.qmax
-  scale = jnp.where(amax > 0, amax / qmax, 1.0)
-  ys = [jnp.clip(round_half_even(x / scale[:, None], interpret), -qmax, qmax
-                 ).astype(jnp.int8) for x in xs]
+  ys = [jnp.where(finite, jnp.clip(round_half_even(x / scale[:, None],
+                                                   interpret), -qmax, qmax),
+                  0.0).astype(jnp.int8) for x in xs]
   if chunks == 2:  # INT4: channel c low nibble, c + H/2 high (quant.pack_int4)
     val_ref[...] = (ys[0] & jnp.int8(0x0F)) | (ys[1] << jnp.int8(4))
   else:
@@ -123,8 +126,8 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
   return values, scales, means
 
 
-def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref, *,
-                       block: int, fp8: bool, transpose: bool,
+def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref,
+                       bad_ref, *, block: int, fp8: bool, transpose: bool,
                        key_order: Optional[tuple[int, ...]]):
   i = pl.program_id(0)
   valid = ((i * block + jnp.arange(block)) < len_ref[...])[:, None]
@@ -132,10 +135,14 @@ def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref, *,
   if mean_ref is not None:
     x = x - mean_ref[...][None, :]
   x = jnp.where(valid, x, 0.0)
+  if bad_ref is not None:  # 1 for a channel holding a NaN or Inf in this block
+    bad_ref[...] = jnp.max(jnp.where(jnp.abs(x) < jnp.inf, 0.0, 1.0), axis=0)
   if key_order is not None:  # keys [j, a, c, i] stored at [j, c, a, i]
     x = x.reshape(key_order).transpose(0, 2, 1, 3, 4).reshape(x.shape)
   if fp8:
-    x = jnp.clip(x / scale_ref[...][None, :], -quant.FP8_MAX, quant.FP8_MAX)
+    scale = scale_ref[...][None, :]
+    x = jnp.clip(x / scale, -quant.FP8_MAX, quant.FP8_MAX)
+    x = jnp.where(scale == scale, x, 0.0)  # NaN scale (quant): values 0
     x = x.astype(quant.FP8_DTYPE)  # FP8 values, stored as out_ref's dtype
   y = x.astype(out_ref.dtype)
   out_ref[...] = y.T if transpose else y
@@ -144,7 +151,7 @@ def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref, *,
 def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                scale: jax.Array, *, config: SageConfig, layout: str,
                transpose: bool, store_dtype=None, wgmma_key_order: bool = False,
-               interpret: bool = False) -> jax.Array:
+               interpret: bool = False, return_nonfinite: bool = False):
   """V to the P·V operand type, one block of tokens of one head per program.
 
   Args:
@@ -159,6 +166,12 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
     wgmma_key_order: store the keys of every group of 16 in the order of
       :func:`sagejax.kernels.mosaic_attention.pv_key_order` (the Mosaic
       kernel's in-register P̃ operand).
+    return_nonfinite: also return f32 ``[B, K, S/block_k, H]``, 1 where a
+      block of a channel holds a NaN or Inf (16-bit V has no scale pass over
+      all tokens to catch it; see :func:`sagejax.quant.unit_v_scale`).
+
+  Returns:
+    the values; with ``return_nonfinite``, ``(values, nonfinite)``.
   """
   if layout == "BTNH":
     b, s, kh, h = v.shape
@@ -180,14 +193,21 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
   if wgmma_key_order and block % 16:
     raise ValueError(f"wgmma_key_order needs block_k % 16 == 0, got {block}.")
   key_order = (block // 16, 2, 4, 2, h) if wgmma_key_order else None
+  bad_shape = bad_spec = None
+  if return_nonfinite:
+    bad_shape = jax.ShapeDtypeStruct((b, kh, s // block, h), jnp.float32)
+    bad_spec = pl.BlockSpec((None, None, None, h),
+                            lambda i, bb, nn: (bb, nn, i, 0))
   kernel = functools.partial(_quantize_v_kernel, block=block, fp8=fp8,
                              transpose=transpose, key_order=key_order)
-  return pl.pallas_call(
+  values, bad = pl.pallas_call(
       kernel, grid=(s // block, b, kh),
       in_specs=[_token_spec(layout, block, h),
                 pl.BlockSpec((None,), lambda i, bb, nn: (bb,)),
                 None if mean is None else head, head],
-      out_specs=out_spec, out_shape=out_shape, interpret=interpret,
+      out_specs=[out_spec, bad_spec], out_shape=[out_shape, bad_shape],
+      interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       name="sage_quantize_v",
   )(v, lengths, mean, scale)
+  return (values, bad) if return_nonfinite else values
