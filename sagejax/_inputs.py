@@ -24,7 +24,9 @@ class ParsedCall:
   ``q``, ``k``, ``v`` are 4-D in the caller's ``layout`` (a batch axis added to
   3-D inputs); :meth:`canonical` gives them as ``[B, N, T, H]`` / ``[B, K, S,
   H]``. ``bias`` and ``mask`` keep their own (broadcastable) ``[B|1, N|1, T|1,
-  S|1]`` shapes.
+  S|1]`` shapes. ``logits_soft_cap`` (None, or a float > 0) caps the
+  natural-log logits as ``cap·tanh(x / cap)`` after ``sm_scale`` and the bias,
+  before the masks.
   """
 
   q: jax.Array
@@ -38,6 +40,7 @@ class ParsedCall:
   sm_scale: float
   layout: str
   unbatched: bool
+  logits_soft_cap: Optional[float] = None
 
   def canonical(self) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(q ``[B, N, T, H]``, k ``[B, K, S, H]``, v ``[B, K, S, H]``)."""
@@ -100,10 +103,27 @@ def _check_lengths(x, name: str, batch: int) -> Optional[jax.Array]:
   return x.astype(jnp.int32)
 
 
+def check_soft_cap(cap) -> Optional[float]:
+  """``logits_soft_cap`` as a float > 0 (or None); raises naming the argument."""
+  if cap is None:
+    return None
+  if isinstance(cap, (bool, np.bool_)) or not isinstance(
+      cap, (int, float, np.integer, np.floating)):
+    raise TypeError("logits_soft_cap must be a Python float > 0 (e.g. 50.0, "
+                    "Gemma-2's) or None; it is static, so not a traced "
+                    f"array. Got {type(cap).__name__}.")
+  cap = float(cap)
+  if not (math.isfinite(cap) and cap > 0):
+    raise ValueError(f"logits_soft_cap must be a finite float > 0 (e.g. 50.0)"
+                     f" or None to disable capping, got {cap}.")
+  return cap
+
+
 def parse(query, key, value, bias=None, mask=None, *, scale=None,
           is_causal=False, causal_alignment="top_left",
           query_seq_lengths=None, key_value_seq_lengths=None,
-          local_window_size=None, layout="BTNH") -> ParsedCall:
+          local_window_size=None, layout="BTNH", logits_soft_cap=None
+          ) -> ParsedCall:
   """Checks an attention call; raises ValueError/TypeError naming the argument."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
@@ -194,4 +214,5 @@ def parse(query, key, value, bias=None, mask=None, *, scale=None,
                   window=window, q_len=t, kv_len=s)
   return ParsedCall(q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths,
                     kv_lengths=kv_lengths, spec=spec, sm_scale=sm_scale,
-                    layout=layout, unbatched=unbatched)
+                    layout=layout, unbatched=unbatched,
+                    logits_soft_cap=check_soft_cap(logits_soft_cap))

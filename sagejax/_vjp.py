@@ -10,6 +10,9 @@ FlashAttention-2 does:
     P = exp(S − lse),  dV = Pᵀ dO,  dP = dO Vᵀ,
     dS = P ∘ (dP − rowsum(dO ∘ O) + dLSE),  dQ = dS K·scale,  dK = dSᵀ Q·scale.
 
+With a logit soft cap (S = c·tanh(X / c), X = Q Kᵀ·scale + bias), dS is
+carried back to X by dX = dS ∘ (1 − (S / c)²) before dQ, dK and the bias.
+
 K/V are walked in blocks with ``lax.scan``: memory is O(T · block), no S×S
 matrix is built (except the bias gradient when a full bias is given, which
 has the bias's own shape).
@@ -40,6 +43,7 @@ def attention_backward(
     d_out: jax.Array, d_lse: Optional[jax.Array], spec: MaskSpec,
     sm_scale: float,
     saved: Optional[tuple[jax.Array, jax.Array]] = None,
+    logits_soft_cap: Optional[float] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Optional[jax.Array]]:
   """Gradients of exact attention w.r.t. Q ``[B, N, T, H]``, K, V ``[B, K, S,
   H]`` and the bias (in its own broadcast shape, or None).
@@ -56,7 +60,7 @@ def attention_backward(
   g = n // kh
   f32 = jnp.float32
   blocks = _KeyBlocks(q, k, v, bias, mask, q_lengths, kv_lengths, spec,
-                      sm_scale)
+                      sm_scale, logits_soft_cap)
   qf, bk, s_pad, gbias = blocks.qf, blocks.bk, blocks.s_pad, blocks.gbias
   if saved is None:
     out, lse = blocks.exact_forward()
@@ -69,7 +73,9 @@ def attention_backward(
     delta = delta - d_lse.astype(f32).reshape(b, kh, g, t)
   lse_use = jnp.where(jnp.isfinite(lse), lse, 0.0)
   k_off = 0.0
-  if saved is not None:
+  # Rows of dS sum to dLSE, not those of dX under a soft cap: no k̄ split.
+  centred = saved is not None and logits_soft_cap is None
+  if centred:
     kbar = quant.token_mean(k, kv_lengths)[:, :, None, None, :]
     k_off = kbar[:, :, 0]
 
@@ -80,6 +86,8 @@ def attention_backward(
     dv = jnp.einsum("bkgts,bkgth->bksh", p, do, precision=_HIGHEST)
     dp = jnp.einsum("bkgth,bksh->bkgts", do, vb, precision=_HIGHEST)
     ds = p * (dp - delta[..., None])
+    if logits_soft_cap is not None:  # through S = c·tanh(X / c)
+      ds = ds * (1.0 - jnp.square(logits * (1.0 / logits_soft_cap)))
     dq = dq + jnp.einsum("bkgts,bksh->bkgth", ds, kb - k_off,
                          precision=_HIGHEST) * sm_scale
     dk = jnp.einsum("bkgts,bkgth->bksh", ds, qf, precision=_HIGHEST) * sm_scale
@@ -95,7 +103,7 @@ def attention_backward(
   def keys_back(x):
     return jnp.moveaxis(x, 0, 2).reshape(b, kh, s_pad, h)[:, :, :s]
   dk, dv = keys_back(dk), keys_back(dv)
-  if saved is not None and d_lse is not None:
+  if centred and d_lse is not None:
     dl = jnp.where(jnp.isfinite(lse), d_lse.astype(f32).reshape(lse.shape), 0.)
     dq = dq + dl[..., None] * kbar * sm_scale
   if dbias is not None:
@@ -108,7 +116,7 @@ class _KeyBlocks:
   """FP32 logits of Q against one block of keys at a time, masks applied."""
 
   def __init__(self, q, k, v, bias, mask, q_lengths, kv_lengths, spec,
-               sm_scale):
+               sm_scale, soft_cap=None):
     b, n, t, h = q.shape
     kh, s = k.shape[1], k.shape[2]
     self.shape = (b, kh, n // kh, t, h)
@@ -120,10 +128,11 @@ class _KeyBlocks:
     self.gmask = group_heads(mask, kh, t, self.s_pad, False)
     self.gbias = group_heads(bias, kh, t, self.s_pad, 0.0)
     self.q_lengths, self.kv_lengths = q_lengths, kv_lengths
-    self.spec, self.sm_scale = spec, sm_scale
+    self.spec, self.sm_scale, self.soft_cap = spec, sm_scale, soft_cap
 
   def logits(self, start):
-    """(K block, V block, logits ``[B, K, G, T, bk]``, visible) at ``start``."""
+    """(K block, V block, logits ``[B, K, G, T, bk]``, visible) at ``start``;
+    the logits soft-capped when a cap is set."""
     bk = self.bk
     kb = jax.lax.dynamic_slice_in_dim(self.kf, start, bk, 2)
     vb = jax.lax.dynamic_slice_in_dim(self.vf, start, bk, 2)
@@ -131,6 +140,8 @@ class _KeyBlocks:
                         precision=_HIGHEST) * self.sm_scale
     if self.gbias is not None:
       logits = logits + key_block(self.gbias, start, bk).astype(jnp.float32)
+    if self.soft_cap is not None:
+      logits = self.soft_cap * jnp.tanh(logits * (1.0 / self.soft_cap))
     ok = self.spec.visible(jnp.arange(self.shape[3]), start + jnp.arange(bk),
                            self.q_lengths, self.kv_lengths)[:, :, None]
     if self.gmask is not None:

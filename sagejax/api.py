@@ -21,13 +21,15 @@ class _Static:
   sm_scale: float
   backend: str
   layout: str
+  logits_soft_cap: Optional[float] = None
 
 
 def _call_of(static: _Static, q, k, v, bias, mask, q_lengths, kv_lengths):
   return _inputs.ParsedCall(q=q, k=k, v=v, bias=bias, mask=mask,
                             q_lengths=q_lengths, kv_lengths=kv_lengths,
                             spec=static.spec, sm_scale=static.sm_scale,
-                            layout=static.layout, unbatched=False)
+                            layout=static.layout, unbatched=False,
+                            logits_soft_cap=static.logits_soft_cap)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -67,7 +69,8 @@ def _sage_attention_bwd(static, res, cotangents):
   canon = functools.partial(_inputs.to_canonical, layout=static.layout)
   grads = _vjp.attention_backward(
       canon(q), canon(k), canon(v), bias, mask, q_lengths, kv_lengths,
-      canon(d_out), d_lse, static.spec, static.sm_scale)
+      canon(d_out), d_lse, static.spec, static.sm_scale,
+      logits_soft_cap=static.logits_soft_cap)
   dq, dk, dv = (_inputs.from_canonical(g, static.layout) for g in grads[:3])
   return dq, dk, dv, grads[3], None, None, None
 
@@ -92,6 +95,7 @@ def attention(
     layout: str = "BTNH",
     implementation: Optional[str] = None,
     return_lse: bool = False,
+    logits_soft_cap: Optional[float] = None,
 ):
   """Quantized scaled dot-product attention (SageAttention).
 
@@ -128,6 +132,10 @@ def attention(
     implementation: ``"xla"``, ``"pallas"``, or None to pick the fastest
       backend available that serves the call (``"xla"`` serves all).
     return_lse: also return the natural-log log-sum-exp, f32 ``[B, N, T]``.
+    logits_soft_cap: Gemma-2's logit soft cap ``c`` (a float > 0, or None):
+      the logits ``x = scale·q·kᵀ + bias`` become ``c·tanh(x / c)`` before
+      the masks and the softmax, as tokamax's ``logits_soft_cap``. The cap
+      acts on the dequantized scores (K smoothing's shift restored first).
 
   Returns:
     The output in ``query``'s dtype and layout; with ``return_lse``, the tuple
@@ -151,10 +159,12 @@ def attention(
                        is_causal=is_causal, causal_alignment=causal_alignment,
                        query_seq_lengths=query_seq_lengths,
                        key_value_seq_lengths=key_value_seq_lengths,
-                       local_window_size=local_window_size, layout=layout)
+                       local_window_size=local_window_size, layout=layout,
+                       logits_soft_cap=logits_soft_cap)
   backend = backends.select(implementation, call, cfg)
   static = _Static(config=cfg, spec=call.spec, sm_scale=call.sm_scale,
-                   backend=backend.name, layout=call.layout)
+                   backend=backend.name, layout=call.layout,
+                   logits_soft_cap=call.logits_soft_cap)
   out, lse = _sage_attention(static, call.q, call.k, call.v, call.bias,
                              call.mask, call.q_lengths, call.kv_lengths)
   out = call.unbatch(out)

@@ -8,7 +8,7 @@ Switching a Linen model to SageAttention is one import::
 ``MultiHeadDotProductAttention`` and ``MultiHeadAttention``, so auto-named
 submodules keep their checkpoint paths) has Flax's fields, ``__call__``
 signature, parameter tree and ``'cache'`` collection, plus ``config``,
-``implementation`` and ``quantized_cache``. :func:`attention_fn` returns a
+``implementation``, ``logits_soft_cap`` and ``quantized_cache``. :func:`attention_fn` returns a
 function with Flax's ``attention_fn`` protocol for models that already take
 one (Linen and NNX).
 
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import linen
 from flax.linen.module import merge_param
 
-from sagejax import quant, serving
+from sagejax import _inputs, quant, serving
 from sagejax.api import attention as _sage_attention
 from sagejax.serving import cache as serving_cache
 from sagejax.config import ConfigLike, SageConfig, resolve_config
@@ -102,8 +102,8 @@ def _mean_value_where_unseen(out: Array, lse: Array, value: Array) -> Array:
 def _sage_flax_shaped(query: Array, key: Array, value: Array,
                       bias: Optional[Array], mask: Optional[Array],
                       is_causal: bool, kv_lengths: Optional[Array],
-                      config: SageConfig, implementation: Optional[str]
-                      ) -> Array:
+                      config: SageConfig, implementation: Optional[str],
+                      logits_soft_cap: Optional[float] = None) -> Array:
   batch = query.shape[:-3]
   q, k, v = (_flatten_batch(x, len(batch)) for x in (query, key, value))
   m = _flatten_pairwise(mask, batch)
@@ -112,7 +112,8 @@ def _sage_flax_shaped(query: Array, key: Array, value: Array,
   out, lse = _sage_attention(
       q, k, v, _flatten_pairwise(bias, batch), m, is_causal=is_causal,
       key_value_seq_lengths=kv_lengths, config=config,
-      implementation=implementation, return_lse=True)
+      implementation=implementation, return_lse=True,
+      logits_soft_cap=logits_soft_cap)
   if m is not None:
     out = _mean_value_where_unseen(out, lse, v)
   return out.reshape(query.shape)
@@ -160,6 +161,7 @@ class SageAttentionFn:
 
   config: SageConfig
   implementation: Optional[str] = None
+  logits_soft_cap: Optional[float] = None
 
   def __call__(
       self,
@@ -200,6 +202,10 @@ class SageAttentionFn:
           or attn_weights_value_einsum is not None):
       reason = "custom attention einsums were given"
     if reason is not None:
+      if self.logits_soft_cap is not None:
+        raise ValueError(
+            f"logits_soft_cap is set but {reason}, which only Flax's exact "
+            "attention (without a soft cap) serves; drop one of the two.")
       _warn_fallback_once(reason)
       return _exact_flax(
           query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
@@ -216,12 +222,13 @@ class SageAttentionFn:
     q, k, v = (jnp.asarray(x).astype(compute) for x in (query, key, value))
     out = _sage_flax_shaped(q, k, v, bias, mask, is_causal,
                             key_value_seq_lengths, self.config,
-                            self.implementation)
+                            self.implementation, self.logits_soft_cap)
     return out.astype(out_dtype)
 
 
 def attention_fn(config: ConfigLike = "sage2-8b",
-                 implementation: Optional[str] = None) -> SageAttentionFn:
+                 implementation: Optional[str] = None,
+                 logits_soft_cap: Optional[float] = None) -> SageAttentionFn:
   """SageAttention as a Flax ``attention_fn``.
 
   Example::
@@ -243,8 +250,11 @@ def attention_fn(config: ConfigLike = "sage2-8b",
   Args:
     config: a :class:`sagejax.SageConfig` or preset name.
     implementation: backend for :func:`sagejax.attention` (None: fastest).
+    logits_soft_cap: Gemma-2's logit soft cap (float > 0) or None; see
+      :func:`sagejax.attention`.
   """
-  return SageAttentionFn(resolve_config(config), implementation)
+  return SageAttentionFn(resolve_config(config), implementation,
+                         _inputs.check_soft_cap(logits_soft_cap))
 
 
 dot_product_attention = attention_fn()
@@ -442,6 +452,8 @@ class SageMultiHeadAttention(linen.MultiHeadDotProductAttention):
     config: :class:`sagejax.SageConfig` or preset name (default
       ``"sage2-8b"``).
     implementation: backend for :func:`sagejax.attention` (None: fastest).
+    logits_soft_cap: Gemma-2's logit soft cap (float > 0) or None; see
+      :func:`sagejax.attention`.
     quantized_cache: decode with INT8 K and FP8 e4m3 V (per-token, per-head
       scales, smoothed: :mod:`sagejax.serving.cache`) in the cache:
       ``cached_key`` int8, ``cached_value`` float8_e4m3fn, f32
@@ -468,11 +480,13 @@ class SageMultiHeadAttention(linen.MultiHeadDotProductAttention):
   config: ConfigLike = "sage2-8b"
   implementation: Optional[str] = None
   quantized_cache: bool = False
+  logits_soft_cap: Optional[float] = None
 
   def resolved_attention_fn(self) -> Callable[..., Array]:
     if self.attention_fn is not None:
       return self.attention_fn
-    return attention_fn(self.config, self.implementation)
+    return attention_fn(self.config, self.implementation,
+                        self.logits_soft_cap)
 
   @linen.compact
   def __call__(

@@ -5,10 +5,11 @@
   from sagejax.nnx import MultiHeadAttention   # was flax.nnx.MultiHeadAttention
 
 :class:`SageMultiHeadAttention` takes ``nnx.MultiHeadAttention``'s arguments
-(``num_kv_heads`` for GQA included) plus ``config``, ``implementation`` and
-``quantized_cache``, builds the same submodules and parameters, and keeps
-``init_cache``/``decode``, ``is_causal`` and ``rngs``. For a model that takes
-an ``attention_fn``, pass :func:`sagejax.nn.attention_fn` instead.
+(``num_kv_heads`` for GQA included) plus ``config``, ``implementation``,
+``logits_soft_cap`` and ``quantized_cache``, builds the same submodules and
+parameters, and keeps ``init_cache``/``decode``, ``is_causal`` and ``rngs``.
+For a model that takes an ``attention_fn``, pass
+:func:`sagejax.nn.attention_fn` instead.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class SageMultiHeadAttention(nnx.MultiHeadAttention):
     config: :class:`sagejax.SageConfig` or preset name (default
       ``"sage2-8b"``).
     implementation: backend for :func:`sagejax.attention` (None: fastest).
+    logits_soft_cap: Gemma-2's logit soft cap (float > 0) or None; see
+      :func:`sagejax.attention`.
     quantized_cache: :meth:`init_cache` makes an INT8 K / FP8 e4m3 V cache
       (:func:`sagejax.nn.cache_layout`: f32 per-(token, head) scales
       ``cached_key_scale``/``cached_value_scale [batch..., S, K]`` and
@@ -80,14 +83,17 @@ class SageMultiHeadAttention(nnx.MultiHeadAttention):
       implementation: Optional[str] = None,
       quantized_cache: bool = False,
       attention_fn: Optional[Callable[..., Array]] = None,
+      logits_soft_cap: Optional[float] = None,
       **kwargs: Any,
   ):
     config = resolve_config(config)
-    fn = attention_fn or _sage_nn.attention_fn(config, implementation)
+    fn = attention_fn or _sage_nn.attention_fn(config, implementation,
+                                               logits_soft_cap)
     super().__init__(num_heads, in_features, qkv_features, out_features,
                      num_kv_heads, in_kv_features, attention_fn=fn, **kwargs)
     self.config = config
     self.implementation = implementation
+    self.logits_soft_cap = logits_soft_cap
     self.quantized_cache = quantized_cache
     for name in _CACHE_NAMES[1:]:
       if name != "cached_value":

@@ -365,7 +365,10 @@ class QuantizedQKV:
       score units, when Q was smoothed, else None.
     lse_shift: f32 ``[B, N, T]`` (unpadded), what K smoothing took out of each
       row's natural-log LSE (:func:`lse_shift`); backends add it to the LSE
-      the attention arithmetic yields. None when K was not smoothed.
+      the attention arithmetic yields. None when K was not smoothed. With a
+      logit soft cap the shift is added to each score *before* the cap
+      instead (the cap is not shift invariant; :func:`soft_cap_base2`), and
+      the LSE then needs none.
   """
 
   q: jax.Array
@@ -515,6 +518,21 @@ def lse_shift(q: jax.Array, k_mean: jax.Array, sm_scale: float) -> jax.Array:
   shift = jnp.einsum("bkgth,bkh->bkgt", qg, k_mean[..., :h],
                      precision=jax.lax.Precision.HIGHEST)
   return shift.reshape(b, n, t) * sm_scale
+
+
+def soft_cap_base2(s: jax.Array, cap: float,
+                   row_shift: Optional[jax.Array] = None) -> jax.Array:
+  """Gemma-2's logit soft cap on base-2 scores ``s``.
+
+  The natural-log logits ``x = s·ln 2 (+ row_shift)`` become ``cap·tanh(x /
+  cap)``; returned in base 2 again. ``row_shift`` (natural log, broadcast to
+  ``s``) is :func:`lse_shift`, restoring what K smoothing removed, since the
+  cap is not shift invariant. Pure ``jnp``: kernels call it on their tile.
+  """
+  x = s * (LN2 / cap)
+  if row_shift is not None:
+    x = x + row_shift * (1.0 / cap)
+  return (cap * LOG2E) * jnp.tanh(x)
 
 
 def dequantize_qk(values: jax.Array, scale: jax.Array, config: SageConfig

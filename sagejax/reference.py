@@ -26,11 +26,13 @@ def exact_attention(
     local_window_size: int | tuple[int, int] | None = None,
     layout: str = "BTNH",
     return_lse: bool = False,
+    logits_soft_cap: Optional[float] = None,
 ):
   """Softmax attention computed in FP32 with the full score matrix.
 
-  Takes the arguments of :func:`sagejax.attention` (same masks, alignments and
-  layouts). Rows that see no key give zeros (and LSE −inf). Memory is
+  Takes the arguments of :func:`sagejax.attention` (same masks, alignments,
+  layouts and soft cap: ``x = scale·q·kᵀ + bias``, then ``cap·tanh(x / cap)``,
+  then the masks). Rows that see no key give zeros (and LSE −inf). Memory is
   O(T·S): use it as a reference on moderate sizes.
 
   Returns:
@@ -41,7 +43,8 @@ def exact_attention(
                        is_causal=is_causal, causal_alignment=causal_alignment,
                        query_seq_lengths=query_seq_lengths,
                        key_value_seq_lengths=key_value_seq_lengths,
-                       local_window_size=local_window_size, layout=layout)
+                       local_window_size=local_window_size, layout=layout,
+                       logits_soft_cap=logits_soft_cap)
   q, k, v = (x.astype(jnp.float32) for x in call.canonical())
   b, n, t, h = q.shape
   kh, s = k.shape[1], k.shape[2]
@@ -51,6 +54,9 @@ def exact_attention(
   logits = logits.reshape(b, n, t, s) * call.sm_scale
   if call.bias is not None:
     logits = logits + call.bias.astype(jnp.float32)
+  if call.logits_soft_cap is not None:
+    cap = call.logits_soft_cap
+    logits = cap * jnp.tanh(logits / cap)
   visible = call.spec.visible(jnp.arange(t), jnp.arange(s), call.q_lengths,
                               call.kv_lengths)
   if call.mask is not None:

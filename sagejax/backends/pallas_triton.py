@@ -264,6 +264,10 @@ class _PallasTritonBackend:
     if prepared.qkv.delta_s is not None:
       tiling = dataclasses.replace(
           tiling, block_q=min(tiling.block_q, config.block_q))
+    cap, shift = call.logits_soft_cap, prepared.qkv.lse_shift
+    row_shift = None
+    if cap is not None and shift is not None:  # added before the cap
+      row_shift = _pad_axis(shift, 2, prepared.qkv.q.shape[2])
     out, lse = triton_attention.attention_forward(
         prepared.qkv, call.spec, q_lengths=prepared.q_lengths,
         kv_lengths=prepared.kv_lengths, config_block_q=config.block_q,
@@ -271,14 +275,15 @@ class _PallasTritonBackend:
         v_transposed=prepared.qkv.v.dtype == quant.FP8_DTYPE,
         p_fp8=config.pv_dtype == "fp8_e4m3",
         int4=config.qk_dtype == "int4", tiling=tiling, mask=prepared.mask,
-        bias=prepared.bias, interpret=self.interpret)
+        bias=prepared.bias, logits_soft_cap=cap, row_shift=row_shift,
+        interpret=self.interpret)
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]
     else:
       out = out[:, :, :t, :h]
     lse = lse[:, :, :t]
-    if prepared.qkv.lse_shift is not None:
-      lse = lse + prepared.qkv.lse_shift
+    if shift is not None and cap is None:
+      lse = lse + shift
     return out, lse
 
   def forward(self, call: ParsedCall, config: SageConfig

@@ -36,6 +36,7 @@ def attend_quantized(qkv: quant.QuantizedQKV, config: SageConfig,
                      kv_lengths: Optional[jax.Array] = None,
                      mask: Optional[jax.Array] = None,
                      bias: Optional[jax.Array] = None,
+                     logits_soft_cap: Optional[float] = None,
                      ) -> tuple[jax.Array, jax.Array]:
   """Attention over quantized inputs (the kernel arithmetic).
 
@@ -47,10 +48,14 @@ def attend_quantized(qkv: quant.QuantizedQKV, config: SageConfig,
     q_lengths, kv_lengths: optional int32 ``[B]``.
     mask: optional bool ``[B|1, N|1, T|1, S|1]``.
     bias: optional float ``[B|1, N|1, T|1, S|1]`` in natural-log units.
+    logits_soft_cap: optional cap of the natural-log logits (after the bias,
+      before the masks; :func:`sagejax.quant.soft_cap_base2`), with
+      ``qkv.lse_shift`` added to the scores first.
 
   Returns:
     f32 output ``[B, N, T, H]`` and natural-log LSE f32 ``[B, N, T]``; rows
-    that see no key give zeros and −inf.
+    that see no key give zeros and −inf. Without a soft cap the LSE lacks
+    ``qkv.lse_shift``; with one it is complete.
   """
   b, n, t_pad, _ = qkv.q.shape
   kh, s_pad = qkv.k.shape[1], qkv.k.shape[2]
@@ -66,6 +71,10 @@ def attend_quantized(qkv: quant.QuantizedQKV, config: SageConfig,
   bias = group_heads(bias, kh, t_pad, s_pad, 0.0)
   q_pos = jnp.arange(t_pad)
   fp8 = config.pv_dtype == "fp8_e4m3"
+  row_shift = None
+  if logits_soft_cap is not None and qkv.lse_shift is not None:
+    row_shift = jnp.pad(qkv.lse_shift, [(0, 0), (0, 0), (0, t_pad - t)])
+    row_shift = row_shift.reshape(b, kh, g, t_pad, 1)
 
   def block(carry, j):
     m, l, acc = carry
@@ -81,6 +90,8 @@ def attend_quantized(qkv: quant.QuantizedQKV, config: SageConfig,
       s = s + jnp.repeat(ds, config.block_q, axis=3)
     if bias is not None:
       s = s + key_block(bias, start, bk).astype(jnp.float32) * quant.LOG2E
+    if logits_soft_cap is not None:
+      s = quant.soft_cap_base2(s, logits_soft_cap, row_shift)
     ok = spec.visible(q_pos, start + jnp.arange(bk), q_lengths, kv_lengths)
     ok = ok[:, :, None]  # [B|1, 1, 1, T_pad, bk]
     if mask is not None:
@@ -141,8 +152,9 @@ class _XlaBackend:
     out, lse = attend_quantized(qkv, config, call.spec,
                                 q_lengths=call.q_lengths,
                                 kv_lengths=call.kv_lengths, mask=call.mask,
-                                bias=call.bias)
-    if qkv.lse_shift is not None:
+                                bias=call.bias,
+                                logits_soft_cap=call.logits_soft_cap)
+    if qkv.lse_shift is not None and call.logits_soft_cap is None:
       lse = lse + qkv.lse_shift
     return from_canonical(out, call.layout), lse
 

@@ -9,12 +9,15 @@ the keys it may see (GQA: query head n reads KV head n // G, never a copy):
                                                    then added: fp32+fp32)
   out = acc · v_scale / (448 · l) (+ V mean),   lse = (m + log2 l)·ln 2
 
-The KV loop visits only the blocks a query block can see (causal diagonal,
-local window, per-batch lengths) and applies the mask only to blocks that
-straddle an edge (user mask/bias arrays: every block). When V holds FP8 values
-stored as FP16, P̃ is rounded to FP8 and the product runs on FP16 tensor cores
-with the same operands (every e4m3 value is an FP16 value). Inputs come from :mod:`sagejax.kernels.triton_quantize`
-(or :func:`sagejax.quant.quantize`, with ``v_transposed=False``).
+With a logit soft cap, s is capped in natural-log units after ΔS and the bias
+(plus K smoothing's row shift, :func:`sagejax.quant.soft_cap_base2`) and the
+row scale no longer rides on the exp2. The KV loop visits only the blocks a
+query block can see (causal diagonal, local window, per-batch lengths) and
+applies the mask only to blocks that straddle an edge (user mask/bias arrays:
+every block). When V holds FP8 values stored as FP16, P̃ is rounded to FP8 and
+the product runs on FP16 tensor cores with the same operands (every e4m3 value
+is an FP16 value). Inputs come from :mod:`sagejax.kernels.triton_quantize` (or
+:func:`sagejax.quant.quantize`, with ``v_transposed=False``).
 """
 
 from __future__ import annotations
@@ -75,9 +78,10 @@ class KernelTiling:
 
 
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
-                mask_ref, bias_ref, ql_ref, kl_ref, o_ref, lse_ref, *,
-                block_q: int, block_k: int, int4: bool, fp8: bool, v_transposed: bool, spec: MaskSpec,
-                num_kv_blocks: int, q_block_of):
+                mask_ref, bias_ref, shift_ref, ql_ref, kl_ref, o_ref, lse_ref,
+                *, block_q: int, block_k: int, int4: bool, fp8: bool,
+                v_transposed: bool, spec: MaskSpec, num_kv_blocks: int,
+                q_block_of, soft_cap: Optional[float]):
   i = q_block_of(pl.program_id(0), pl.program_id(1), pl.program_id(2))
   q_len = ql_ref[...]
   kv_len = kl_ref[...]
@@ -98,6 +102,10 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
   additive = ds_ref is not None or bias_ref is not None
   inv_q_scale = 1.0 / q_scale if additive else None
   rows = q_first + jnp.arange(block_q)
+  # Without a soft cap the row scale q_scale rides on the exp2 (row_scale);
+  # with one, the scores are capped in full (base-2) units, row scale 1.
+  row_scale = q_scale if soft_cap is None else None
+  shift = None if shift_ref is None else shift_ref[...][:, None]
 
   def body(j, carry, masked: bool):
     acc, m, l = carry
@@ -119,24 +127,28 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, vm_ref, ds_ref,
     if bias_ref is not None:  # the user's bias, natural-log units
       bias = bias_ref[:, pl.ds(start, block_k)].astype(jnp.float32)
       t = t + bias * (quant.LOG2E * inv_q_scale[:, None])
+    if soft_cap is not None:  # on natural-log logits (+ K smoothing's shift)
+      t = quant.soft_cap_base2(t * q_scale[:, None], soft_cap, shift)
     if mask_ref is not None:  # the user's mask (int8, 1 = attend)
       t = jnp.where(mask_ref[:, pl.ds(start, block_k)] != 0, t, -jnp.inf)
     if masked:  # the rule of masks.MaskSpec, on this tile
       cols = start + jnp.arange(block_k)
       ok = spec.visible_at(rows[:, None], cols[None, :], q_len, kv_len)
       t = jnp.where(ok, t, -jnp.inf)
-    m_new = jnp.maximum(m, q_scale * jnp.max(t, axis=1))
+    t_max = jnp.max(t, axis=1)
+    m_new = jnp.maximum(m, t_max if row_scale is None else row_scale * t_max)
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_use)
+    s = t if row_scale is None else t * row_scale[:, None]
     if fp8:
       # 448·P̃ = exp2(s − m + log2 448): the static scale rides on the exp2.
-      p = jnp.exp2(t * q_scale[:, None] - (m_use - _LOG2_P_SCALE)[:, None])
+      p = jnp.exp2(s - (m_use - _LOG2_P_SCALE)[:, None])
       l = l * alpha + jnp.sum(p, axis=1) * (1.0 / quant.P_SCALE)
       p_op = p.astype(quant.FP8_DTYPE)
       if v_ref.dtype != quant.FP8_DTYPE:  # FP8 values on 16-bit tensor cores
         p_op = p_op.astype(v_ref.dtype)
     else:
-      p = jnp.exp2(t * q_scale[:, None] - m_use[:, None])
+      p = jnp.exp2(s - m_use[:, None])
       l = l * alpha + jnp.sum(p, axis=1)
       p_op = p.astype(v_ref.dtype)
     if v_transposed:
@@ -176,6 +188,8 @@ def attention_forward(
     int4: bool = False, p_fp8: Optional[bool] = None,
     tiling: KernelTiling = KernelTiling(),
     mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None,
+    logits_soft_cap: Optional[float] = None,
+    row_shift: Optional[jax.Array] = None,
     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Runs the fused forward on quantized inputs.
 
@@ -195,6 +209,11 @@ def attention_forward(
     mask: optional int8 ``[B|1, N|1, T_pad, S_pad]``, nonzero = attend.
     bias: optional float ``[B|1, N|1, T_pad, S_pad]`` added to the logits
       (natural-log units, after the scale).
+    logits_soft_cap: optional cap ``c``: natural-log logits x (after the bias)
+      become ``c·tanh(x / c)`` before the masks
+      (:func:`sagejax.quant.soft_cap_base2`).
+    row_shift: f32 ``[B, N, T_pad]`` natural-log shift added to every score
+      of a row before the cap (``qkv.lse_shift``, padded); only with a cap.
 
   Returns:
     (output ``[B, N, T_pad, H]`` or ``[B, T_pad, N, H]``, natural-log LSE f32
@@ -236,7 +255,10 @@ def attention_forward(
   kernel = functools.partial(
       _fwd_kernel, block_q=bq, block_k=bk, int4=int4, fp8=fp8,
       v_transposed=v_transposed, spec=spec, num_kv_blocks=s_pad // bk,
-      q_block_of=lambda x, y, z: order(x, y, z)[0])
+      q_block_of=lambda x, y, z: order(x, y, z)[0],
+      soft_cap=logits_soft_cap)
+  if row_shift is not None and logits_soft_cap is None:
+    raise ValueError("row_shift is only used with logits_soft_cap.")
   kv_head = lambda i, bb, nn: (bb, nn // g, 0, 0)
   head_vec = spec_of((None, None, h), lambda i, bb, nn: (bb, nn // g, 0))
   per_batch = spec_of((None,), lambda i, bb, nn: (bb,))
@@ -266,6 +288,8 @@ def attention_forward(
       ds_spec,
       pairwise_spec(mask),
       pairwise_spec(bias),
+      None if row_shift is None else spec_of(
+          (None, None, bq), lambda i, bb, nn: (bb, nn, i)),
       per_batch,
       per_batch,
   ]
@@ -285,4 +309,4 @@ def attention_forward(
                                            num_stages=tiling.num_stages),
       interpret=interpret, name="sage_attention_fwd",
   )(qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, qkv.v, qkv.v_scale, qkv.v_mean,
-    qkv.delta_s, mask, bias, q_lengths, kv_lengths)
+    qkv.delta_s, mask, bias, row_shift, q_lengths, kv_lengths)
