@@ -7,21 +7,27 @@ import functools
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
-from sagejax import _inputs, _vjp, backends
-from sagejax.config import ConfigLike, SageConfig, resolve_config
+from sagejax import _inputs, _platforms, _vjp, backends
+from sagejax.config import ConfigLike, SageConfig
 from sagejax.masks import CausalAlignment, MaskSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-  """Everything about a call that is not an array (hashable)."""
+  """Everything about a call that is not an array (hashable).
+
+  ``backend`` and ``config`` run on every platform not in ``per_platform``
+  (``(platform, backend, config)`` triples, chosen at lowering time).
+  """
   config: SageConfig
   spec: MaskSpec
   sm_scale: float
   backend: str
   layout: str
   logits_soft_cap: Optional[float] = None
+  per_platform: tuple[tuple[str, str, SageConfig], ...] = ()
 
 
 def _call_of(static: _Static, q, k, v, bias, mask, q_lengths, kv_lengths):
@@ -39,11 +45,33 @@ def _sage_attention(static: _Static, q, k, v, bias, mask, q_lengths,
   return out, lse
 
 
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """The forward on one backend (hashable: eager calls reuse compilations)."""
+  static: _Static
+  backend: str
+  config: SageConfig
+
+  def __call__(self, q, k, v, bias, mask, q_lengths, kv_lengths):
+    call = _call_of(self.static, q, k, v, bias, mask, q_lengths, kv_lengths)
+    out, lse = backends.registry()[self.backend].forward(call, self.config)
+    return out.astype(q.dtype), lse
+
+
 def _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths):
-  backend = backends.registry()[static.backend]
-  call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
-  out, lse = backend.forward(call, static.config)
-  return out.astype(q.dtype), lse
+  arrays = (q, k, v, bias, mask, q_lengths, kv_lengths)
+  default = _Run(static, static.backend, static.config)
+  if not static.per_platform:
+    return default(*arrays)
+  # Chosen when lowering, per platform: an export for ("cuda", "cpu") holds
+  # the GPU kernels for CUDA and the default ("xla") for the CPU.
+  b, n, t, _, _, _ = _call_of(static, *arrays).dims
+  out_shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, n, t), jnp.float32))
+  branches = {platform: _Run(static, name, config)
+              for platform, name, config in static.per_platform}
+  return _platforms.platform_dependent(*arrays, default=default,
+                                       out_shapes=out_shapes, **branches)
 
 
 def _sage_attention_fwd(static, q, k, v, bias, mask, q_lengths, kv_lengths):
@@ -91,7 +119,7 @@ def attention(
     query_seq_lengths: Optional[jax.Array] = None,
     key_value_seq_lengths: Optional[jax.Array] = None,
     local_window_size: int | tuple[int, int] | None = None,
-    config: ConfigLike = "sage2-8b",
+    config: ConfigLike | None = None,
     layout: str = "BTNH",
     implementation: Optional[str] = None,
     return_lse: bool = False,
@@ -126,11 +154,19 @@ def attention(
       quantization statistics. Padded query rows give zeros.
     local_window_size: ``w`` or ``(left, right)``: query ``i`` sees keys ``j``
       with ``i − left <= j <= i + right`` (shifted by the alignment's offset).
-    config: a :class:`SageConfig` or a preset name: ``"sage2-8b"`` (default;
-      INT8 per-thread Q·Kᵀ, FP8 P·V), ``"sage2-4b"``, ``"sage1"``.
+    config: a :class:`SageConfig`, a preset name (``"sage1"``: INT8
+      per-block Q·Kᵀ, FP16 P·V; ``"sage2-8b"``: INT8 per-thread Q·Kᵀ, FP8
+      P·V; ``"sage2-4b"``), or None / ``"auto"`` (default): each backend's
+      own default preset, the one no other preset beats on both speed and
+      accuracy there (``"sage1"`` on ``"pallas"`` and ``"xla"``).
     layout: ``"BTNH"`` (JAX's) or ``"BNTH"``.
-    implementation: ``"xla"``, ``"pallas"``, or None to pick the fastest
-      backend available that serves the call (``"xla"`` serves all).
+    implementation: ``"xla"``, ``"pallas"``, or None: per platform at
+      lowering time (:func:`jax.lax.platform_dependent`), the fastest
+      backend that serves the call there, ``"xla"`` (which serves all)
+      elsewhere. So ``jax.export`` for ``("cuda", "cpu")`` on any host carries
+      the GPU kernels for CUDA and ``"xla"`` for the CPU; see
+      :func:`sagejax.backends.plan` for what a GPU export from a host without
+      a GPU carries.
     return_lse: also return the natural-log log-sum-exp, f32 ``[B, N, T]``.
     logits_soft_cap: Gemma-2's logit soft cap ``c`` (a float > 0, or None):
       the logits ``x = scale·q·kᵀ + bias`` become ``c·tanh(x / c)`` before
@@ -154,17 +190,17 @@ def attention(
   forward, the ``"xla"`` backward: FP32 with exactly recomputed statistics. Gradients flow to ``query``, ``key``,
   ``value``, ``bias`` and through the returned LSE.
   """
-  cfg = resolve_config(config)
   call = _inputs.parse(query, key, value, bias, mask, scale=scale,
                        is_causal=is_causal, causal_alignment=causal_alignment,
                        query_seq_lengths=query_seq_lengths,
                        key_value_seq_lengths=key_value_seq_lengths,
                        local_window_size=local_window_size, layout=layout,
                        logits_soft_cap=logits_soft_cap)
-  backend = backends.select(implementation, call, cfg)
-  static = _Static(config=cfg, spec=call.spec, sm_scale=call.sm_scale,
-                   backend=backend.name, layout=call.layout,
-                   logits_soft_cap=call.logits_soft_cap)
+  plan = backends.plan(implementation, call, config)
+  static = _Static(config=plan.config, spec=call.spec,
+                   sm_scale=call.sm_scale, backend=plan.backend,
+                   layout=call.layout, logits_soft_cap=call.logits_soft_cap,
+                   per_platform=plan.per_platform)
   out, lse = _sage_attention(static, call.q, call.k, call.v, call.bias,
                              call.mask, call.q_lengths, call.kv_lengths)
   out = call.unbatch(out)

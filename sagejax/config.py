@@ -166,15 +166,25 @@ PRESETS: dict[str, SageConfig] = {
         pv_accumulation="fp32+fp32", smooth_k=True, smooth_q=True),
 }
 
-DEFAULT_PRESET = "sage2-8b"
+# config=None or "auto": each backend's own default preset (the one no other
+# preset beats on both speed and accuracy there; sagejax.backends).
+AUTO = "auto"
 
 ConfigLike = Union[SageConfig, str]
 
 
-def resolve_config(config: ConfigLike | None) -> SageConfig:
-  """Returns the :class:`SageConfig` for a config or preset name."""
-  if config is None:
-    return PRESETS[DEFAULT_PRESET]
+def resolve_config(config: ConfigLike | None = None, backend=None
+                   ) -> SageConfig:
+  """Returns the :class:`SageConfig` for a config or preset name.
+
+  ``None`` or ``"auto"`` means the default preset of ``backend`` (a backend
+  object or its name, e.g. ``"pallas"``; None: the first backend available on
+  this machine), see :func:`sagejax.backends.default_preset`. Named presets
+  mean the same on every backend.
+  """
+  if config is None or (isinstance(config, str) and config == AUTO):
+    from sagejax import backends  # pylint: disable=import-outside-toplevel
+    return PRESETS[backends.default_preset(backend)]
   if isinstance(config, SageConfig):
     return config
   if isinstance(config, str):
@@ -182,8 +192,9 @@ def resolve_config(config: ConfigLike | None) -> SageConfig:
       return PRESETS[config]
     except KeyError:
       raise ValueError(
-          f"Unknown config {config!r}: pass a SageConfig or one of the presets "
-          f"{tuple(PRESETS)}.") from None
+          f"Unknown config {config!r}: pass a SageConfig, one of the presets "
+          f"{tuple(PRESETS)} or 'auto' / None (the backend's default)."
+      ) from None
   raise TypeError(
-      f"config must be a SageConfig or a preset name {tuple(PRESETS)}, got "
-      f"{type(config).__name__}.")
+      f"config must be a SageConfig, a preset name {tuple(PRESETS)} or "
+      f"'auto' / None, got {type(config).__name__}.")

@@ -21,8 +21,8 @@ def test_presets_match_the_papers():
 
 
 def test_resolve_config():
-  assert resolve_config(None) is PRESETS["sage2-8b"]
   assert resolve_config("sage1") is PRESETS["sage1"]
+  assert resolve_config("sage2-8b", backend="pallas") is PRESETS["sage2-8b"]
   custom = SageConfig(qk_granularity="per_token", smooth_v=True)
   assert resolve_config(custom) is custom
   with pytest.raises(ValueError, match="Unknown config 'sage3'"):
@@ -78,3 +78,34 @@ def test_frozen_hashable_and_a_jit_static():
   f = jax.jit(lambda x, c: x * c.qmax, static_argnums=1)
   assert float(f(jnp.float32(1), cfg)) == 127
   assert float(f(jnp.float32(1), PRESETS["sage2-4b"])) == 7
+
+
+def test_auto_is_each_backends_default_preset():
+  """None / "auto" resolve per backend; named presets mean the same anywhere."""
+  from sagejax import backends
+  for name, backend in backends.registry().items():
+    want = PRESETS[backend.default_preset]
+    assert resolve_config(None, backend=name) is want
+    assert resolve_config("auto", backend=backend) is want
+  local = next(b for b in backends.registry().values() if b.available())
+  assert resolve_config(None) is PRESETS[local.default_preset]
+  assert backends.default_preset("pallas") == "sage1"  # measured, README
+
+  class Unmeasured:  # a backend that declares no default yet (mosaic)
+    name = "new"
+  assert backends.default_preset(Unmeasured()) == backends.FALLBACK_PRESET
+
+
+def test_attention_default_config_is_the_backends(qkv):
+  import numpy as np
+
+  import sagejax
+  from sagejax import backends
+  q, k, v = qkv(1, 40, 40, 2, 2, 32, dtype=jnp.float32)
+  f = jax.jit(sagejax.attention, static_argnames=("config", "implementation"))
+  auto = f(q, k, v, implementation="xla")
+  named = f(q, k, v, config=backends.default_preset("xla"),
+            implementation="xla")
+  np.testing.assert_array_equal(auto, named)
+  np.testing.assert_array_equal(f(q, k, v, config="auto",
+                                  implementation="xla"), named)

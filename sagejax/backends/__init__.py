@@ -1,12 +1,13 @@
 """Attention backends: each turns a checked call into (output, LSE).
 
-A backend is a module-level object with ``name``, ``available()``,
-``unsupported(call, config)`` (None, or the reason it cannot serve the call)
-and ``forward(call, config)``. ``forward`` takes a checked call
-(:class:`sagejax._inputs.ParsedCall`, Q/K/V 4-D in ``call.layout``) and returns
-the output in that same layout (any float dtype; the caller casts) and the
-natural-log LSE, f32 ``[B, N, T]``. It does its own quantization, mirroring
-:mod:`sagejax.quant`, and may read the caller's layout directly.
+A backend is a module-level object with ``name``, ``platform``,
+``default_preset``, ``available()``, ``unsupported(call, config)`` (None, or
+the reason it cannot serve the call) and ``forward(call, config)``.
+``forward`` takes a checked call (:class:`sagejax._inputs.ParsedCall`, Q/K/V
+4-D in ``call.layout``) and returns the output in that same layout (any float
+dtype; the caller casts) and the natural-log LSE, f32 ``[B, N, T]``. It does
+its own quantization, mirroring :mod:`sagejax.quant`, and may read the
+caller's layout directly.
 
 ``forward`` is split in two so that benchmarks can time the attention alone:
 ``prepare(call, config)`` returns a pytree of quantized inputs and
@@ -19,21 +20,50 @@ saved)``, see :class:`BackwardBackend`. The custom VJP uses the backward of
 the backend that ran the forward when it has one and it serves the call
 (else another kernel backend's: :func:`backward_of`), and the exact FP32
 ``"xla"`` backward (:mod:`sagejax._vjp`) otherwise.
+
+Choosing a backend (``implementation=None``) happens per platform at lowering
+time (:func:`plan`, :func:`jax.lax.platform_dependent`), so that a module
+exported on any host carries the GPU kernels for the GPU and the ``"xla"``
+path elsewhere. What a backend declares for that, without needing a device:
+
+* ``platform``: the lowering platform its kernels run on (``"cuda"``), or
+  None for one that runs on every platform (``"xla"``, the fallback).
+* ``unsupported(call, config)``: static (shapes, dtypes, config), never the
+  device.
+* ``min_compute_capability`` (optional, default 0): the oldest GPU it runs
+  on. ``available()`` says whether a device of *this* machine runs it.
+* ``custom_call_targets`` (optional): the custom calls its kernels lower to,
+  which ``jax.export`` must be told to accept (:func:`export_disabled_checks`).
+
+A preset per backend: ``default_preset`` names the preset that
+``config=None`` / ``"auto"`` means on that backend: the one no other preset
+beats on both speed and accuracy there (``benchmarks/preset_sweep.py``
+measures it). A backend that declares none gets :data:`FALLBACK_PRESET`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional, Protocol
 
 import jax
 
 from sagejax._inputs import ParsedCall
-from sagejax.config import SageConfig
+from sagejax.config import PRESETS, ConfigLike, SageConfig, resolve_config
+
+# The preset of a backend that declares no ``default_preset``.
+# >>> mosaic: to be measured. The Mosaic GPU backend (sm90) sets
+# >>> ``default_preset`` in its module once benchmarks/preset_sweep.py has
+# >>> measured which preset no other beats on both speed and accuracy there;
+# >>> until then it gets this one, the preset it was written for.
+FALLBACK_PRESET = "sage2-8b"
 
 
 class Backend(Protocol):
   name: str
+  platform: Optional[str]
+  default_preset: str
 
   def available(self) -> bool: ...
 
@@ -121,26 +151,117 @@ def registry() -> dict[str, Backend]:
   return {b.name: b for b in backends}
 
 
-def select(name: Optional[str], call: ParsedCall, config: SageConfig
-           ) -> Backend:
-  """The backend named, or the first available one that serves the call."""
-  backends = registry()
+def default_preset(backend: "Backend | str | None" = None) -> str:
+  """The preset ``config=None`` / ``"auto"`` means on ``backend`` (an object
+  or name; None: the first backend available on this machine)."""
+  if backend is None:
+    backend = next(b for b in registry().values() if b.available())
+  elif isinstance(backend, str):
+    backend = registry()[backend]
+  name = getattr(backend, "default_preset", FALLBACK_PRESET)
+  if name not in PRESETS:
+    raise AssertionError(f"backend {backend.name!r} declares an unknown "
+                         f"default_preset {name!r}")
+  return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Which backend and config a call runs, per lowering platform.
+
+  Attributes:
+    backend, config: for every platform not in ``per_platform`` (and for a
+      named ``implementation``, for all).
+    per_platform: ``(platform, backend name, config)`` for the platforms
+      whose kernels serve the call (``"cuda"``), chosen at lowering time.
+  """
+  backend: str
+  config: SageConfig
+  per_platform: tuple[tuple[str, str, SageConfig], ...] = ()
+
+
+def _local_devices(platform: str) -> list:
+  try:
+    return jax.devices(platform)
+  except (RuntimeError, ValueError):
+    return []
+
+
+def plan(name: Optional[str], call: ParsedCall, config: ConfigLike | None
+         ) -> Plan:
+  """What a call runs: the backend named (checked as :func:`select`), or,
+  for ``name=None``, per platform:
+
+  * where this machine has devices of the platform: the first backend (in
+    registry order, fastest first) for it that is available and serves the
+    call, as :func:`select` picks;
+  * for a platform this machine lacks (exporting for a GPU from a CPU host):
+    the serving backend for it that runs on the oldest devices (lowest
+    ``min_compute_capability``; registry order among equals), since the
+    exported module may meet any GPU sagejax supports;
+  * everywhere else: the first platform-independent backend (``"xla"``).
+  """
   if name is not None:
-    if name not in backends:
-      raise ValueError(f"Unknown implementation {name!r}: pass one of "
-                       f"{tuple(backends)} or None (pick automatically).")
-    backend = backends[name]
-    if not backend.available():
-      raise ValueError(f"implementation={name!r} is not available on this "
-                       f"machine ({jax.default_backend()}); pass "
-                       "implementation=None or 'xla'.")
-    reason = backend.unsupported(call, config)
-    if reason is not None:
-      raise ValueError(f"implementation={name!r} cannot serve this call: "
-                       f"{reason}. Pass implementation='xla', which serves "
-                       "every call.")
-    return backend
-  for backend in backends.values():
-    if backend.available() and backend.unsupported(call, config) is None:
+    backend = _check_named(name, call, config)
+    return Plan(backend.name, resolve_config(config, backend))
+  fallback = next(b for b in registry().values() if b.platform is None)
+  per_platform = []
+  platforms = dict.fromkeys(b.platform for b in registry().values()
+                            if b.platform is not None)
+  for platform in platforms:
+    local = bool(_local_devices(platform))
+    serving = [b for b in registry().values() if b.platform == platform
+               and (b.available() or not local)
+               and b.unsupported(call, resolve_config(config, b)) is None]
+    if not serving:
+      continue
+    if not local:
+      serving.sort(key=lambda b: getattr(b, "min_compute_capability", 0.0))
+    chosen = serving[0]
+    per_platform.append((platform, chosen.name, resolve_config(config, chosen)))
+  return Plan(fallback.name, resolve_config(config, fallback), tuple(per_platform))
+
+
+def _check_named(name: str, call: ParsedCall, config: ConfigLike | None
+                 ) -> Backend:
+  backends = registry()
+  if name not in backends:
+    raise ValueError(f"Unknown implementation {name!r}: pass one of "
+                     f"{tuple(backends)} or None (pick automatically).")
+  backend = backends[name]
+  if not backend.available():
+    raise ValueError(f"implementation={name!r} is not available on this "
+                     f"machine ({jax.default_backend()}); pass "
+                     "implementation=None or 'xla'.")
+  reason = backend.unsupported(call, resolve_config(config, backend))
+  if reason is not None:
+    raise ValueError(f"implementation={name!r} cannot serve this call: "
+                     f"{reason}. Pass implementation='xla', which serves "
+                     "every call.")
+  return backend
+
+
+def select(name: Optional[str], call: ParsedCall, config: ConfigLike | None
+           ) -> Backend:
+  """The backend named, or the first available one that serves the call on
+  this machine's default device."""
+  if name is not None:
+    return _check_named(name, call, config)
+  for backend in registry().values():
+    if (backend.available()
+        and backend.unsupported(call, resolve_config(config, backend)) is None):
       return backend
   raise AssertionError("the 'xla' backend serves every call")
+
+
+def export_disabled_checks() -> list:
+  """What ``jax.export.export(..., disabled_checks=...)`` needs for sagejax.
+
+  The Pallas kernels lower to custom calls without a cross-version
+  compatibility guarantee (``__gpu$xla.gpu.triton`` carries the Triton IR):
+  ``jax.export`` refuses them unless told. An exported module holding them
+  runs with the jax/jaxlib version that exported it.
+  """
+  targets = dict.fromkeys(t for b in registry().values()
+                          for t in getattr(b, "custom_call_targets", ()))
+  return [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]

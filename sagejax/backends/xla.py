@@ -132,6 +132,9 @@ def attend_quantized(qkv: quant.QuantizedQKV, config: SageConfig,
 
 class _XlaBackend:
   name = "xla"
+  platform = None  # every platform: the fallback of implementation=None
+  # config=None / "auto": DEFAULT_PRESET_NOTE below.
+  default_preset = "sage1"
 
   def available(self) -> bool:
     return True
