@@ -196,5 +196,5 @@ def resolve_config(config: ConfigLike | None = None, backend=None
           f"{tuple(PRESETS)} or 'auto' / None (the backend's default)."
       ) from None
   raise TypeError(
-      f"config must be a SageConfig, a preset name {tuple(PRESETS)} or "
-      f"'auto' / None, got {type(config).__name__}.")
+      f"config must be a SageConfig or a preset name {tuple(PRESETS)} (or "
+      f"'auto' / None: the backend's default), got {type(config).__name__}.")

@@ -98,8 +98,9 @@ def _forward(backend, config, causal):
   return jax.jit(f)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name,causal", [("sage1", True),
+                                         ("sage2-8b", False),
+                                         ("sage2-4b+smooth_v", True)])
 @pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
 def test_nan_and_inf_reach_the_output(backend, name, causal, qkv):
   q, k, v = poisoned(*qkv(B, T, S, N, KH, H, kind="qkv_channel_bias",
@@ -121,8 +122,9 @@ def test_public_api_propagates_nan(qkv):
 
 
 def test_quantize_kernels_match_quant_on_poisoned_inputs(qkv):
-  """The Pallas quantizers give quant's NaN scales and zero values."""
-  for config in CONFIGS.values():
+  """The Pallas quantizers give quant's NaN scales and zero values (16-bit V
+  with its non-finite flags; INT4 with Q block means, smoothed FP8 V)."""
+  for config in (CONFIGS["sage1"], CONFIGS["sage2-4b+smooth_v"]):
     q, k, v = poisoned(*qkv(B, 64, 64, N, KH, H, kind="qkv_channel_bias"))
     call = _inputs.parse(q, k, v)
     got = pallas_triton.INTERPRET_BACKEND.prepare(call, config, TILING).qkv

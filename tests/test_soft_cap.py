@@ -85,10 +85,11 @@ def _forward(backend, config, **kw):
   return jax.jit(f)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
-@pytest.mark.parametrize("preset,causal", [("sage2-8b", True),
-                                           ("sage1", False),
-                                           ("sage2-4b", True)])
+@pytest.mark.parametrize("backend,preset,causal", [
+    ("xla", "sage2-8b", True), ("xla", "sage1", False),
+    ("pallas-interpret", "sage2-8b", True),
+    ("pallas-interpret", "sage1", False),
+    ("pallas-interpret", "sage2-4b", True)])
 def test_forward_matches_exact_with_cap(backend, preset, causal, qkv,
                                         next_key):
   """Channel-bias data (K smoothing's shift is large, so it must be restored

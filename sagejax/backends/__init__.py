@@ -180,11 +180,12 @@ class Plan:
   per_platform: tuple[tuple[str, str, SageConfig], ...] = ()
 
 
-def _local_devices(platform: str) -> list:
+def _has_local_devices(platform: str) -> bool:
+  """Whether this machine has devices of a lowering platform (``"cuda"``)."""
   try:
-    return jax.devices(platform)
-  except (RuntimeError, ValueError):
-    return []
+    return bool(jax.devices(platform))
+  except (RuntimeError, ValueError):  # no such backend here
+    return platform == "cuda" and jax.default_backend() == "gpu"
 
 
 def plan(name: Optional[str], call: ParsedCall, config: ConfigLike | None
@@ -209,7 +210,7 @@ def plan(name: Optional[str], call: ParsedCall, config: ConfigLike | None
   platforms = dict.fromkeys(b.platform for b in registry().values()
                             if b.platform is not None)
   for platform in platforms:
-    local = bool(_local_devices(platform))
+    local = _has_local_devices(platform)
     serving = [b for b in registry().values() if b.platform == platform
                and (b.available() or not local)
                and b.unsupported(call, resolve_config(config, b)) is None]

@@ -184,11 +184,12 @@ class _PallasTritonBackend:
   platform = "cuda"
   min_compute_capability = 8.0
   custom_call_targets = ("__gpu$xla.gpu.triton",)  # for jax.export
-  # config=None / "auto". Measured on an H200 (README, benchmarks/RESULTS.md):
-  # sage1 is both faster than sage2-8b (412 vs 397 TOPS end to end, S=4k,
-  # H=128: the FP8 P̃·V runs on FP16 tensor cores here, so FP8 buys no speed)
-  # and more accurate (relative L1 0.013 vs 0.038, normal data; 0.00020 vs
-  # 0.00154 channel bias). sage2-4b is less accurate than both.
+  # config=None / "auto" (README, "Default preset"). On an H200 sage1 is both
+  # faster than sage2-8b (412 vs 397 TOPS end to end, S=4k, H=128, issue 12:
+  # the FP8 P̃·V runs on FP16 tensor cores here, so FP8 buys no speed) and
+  # more accurate (relative L1 0.013 vs 0.038 on normal data, 0.00020 vs
+  # 0.00154 channel bias; RESULTS.md). sage2-4b is less accurate than both.
+  # benchmarks/preset_sweep.py re-measures it (4k and 16k).
   default_preset = "sage1"
 
   def __init__(self, interpret: bool = False, fp8_on_fp16_mma: bool = True,
