@@ -183,14 +183,19 @@ def test_flax_attention_fn_propagates_nan(qkv):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("backend", ["pallas", "mosaic"])
 @pytest.mark.parametrize("preset", ["sage1", "sage2-8b", "sage2-4b"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_pallas_propagates_nan_and_inf(preset, causal, qkv):
+def test_gpu_kernels_propagate_nan_and_inf(backend, preset, causal, qkv):
   """The compiled kernels (Triton's max ignores NaN; the rules still hold)."""
+  from sagejax import backends
+  if (backend not in backends.registry()
+      or not backends.registry()[backend].available()):
+    pytest.skip(f"{backend} is not available on this GPU")
   q, k, v = poisoned(*qkv(B, T, S, N, KH, H, kind="qkv_channel_bias",
                           dtype=jnp.bfloat16))
   f = jax.jit(lambda q, k, v: sagejax.attention(
-      q, k, v, is_causal=causal, config=preset, implementation="pallas",
+      q, k, v, is_causal=causal, config=preset, implementation=backend,
       return_lse=True))
   out, lse = f(q, k, v)
   check(out, lse, sagejax.exact_attention(q, k, v, is_causal=causal), causal)

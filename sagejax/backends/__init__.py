@@ -54,9 +54,10 @@ from sagejax.config import PRESETS, ConfigLike, SageConfig, resolve_config
 
 # The preset of a backend that declares no ``default_preset``.
 # >>> mosaic: to be measured. The Mosaic GPU backend (sm90) sets
-# >>> ``default_preset`` in its module once benchmarks/preset_sweep.py has
-# >>> measured which preset no other beats on both speed and accuracy there;
-# >>> until then it gets this one, the preset it was written for.
+# >>> ``default_preset`` in sagejax/backends/mosaic.py once
+# >>> benchmarks/preset_sweep.py has measured which preset no other beats on
+# >>> both speed and accuracy there; until then it gets this one, the preset
+# >>> it was written for.
 FALLBACK_PRESET = "sage2-8b"
 
 
@@ -197,9 +198,10 @@ def plan(name: Optional[str], call: ParsedCall, config: ConfigLike | None
     registry order, fastest first) for it that is available and serves the
     call, as :func:`select` picks;
   * for a platform this machine lacks (exporting for a GPU from a CPU host):
-    the serving backend for it that runs on the oldest devices (lowest
-    ``min_compute_capability``; registry order among equals), since the
-    exported module may meet any GPU sagejax supports;
+    the first serving backend among those that run on the oldest devices
+    (lowest ``min_compute_capability``), since the exported module may meet
+    any GPU sagejax supports; a call only newer-GPU backends serve takes the
+    fallback there too;
   * everywhere else: the first platform-independent backend (``"xla"``).
   """
   if name is not None:
@@ -210,16 +212,19 @@ def plan(name: Optional[str], call: ParsedCall, config: ConfigLike | None
   platforms = dict.fromkeys(b.platform for b in registry().values()
                             if b.platform is not None)
   for platform in platforms:
-    local = _has_local_devices(platform)
-    serving = [b for b in registry().values() if b.platform == platform
-               and (b.available() or not local)
-               and b.unsupported(call, resolve_config(config, b)) is None]
-    if not serving:
-      continue
-    if not local:
-      serving.sort(key=lambda b: getattr(b, "min_compute_capability", 0.0))
-    chosen = serving[0]
-    per_platform.append((platform, chosen.name, resolve_config(config, chosen)))
+    candidates = [b for b in registry().values() if b.platform == platform]
+    if _has_local_devices(platform):
+      candidates = [b for b in candidates if b.available()]
+    else:
+      oldest = min(getattr(b, "min_compute_capability", 0.0)
+                   for b in candidates)
+      candidates = [b for b in candidates
+                    if getattr(b, "min_compute_capability", 0.0) == oldest]
+    for b in candidates:
+      cfg = resolve_config(config, b)
+      if b.unsupported(call, cfg) is None:
+        per_platform.append((platform, b.name, cfg))
+        break
   return Plan(fallback.name, resolve_config(config, fallback), tuple(per_platform))
 
 

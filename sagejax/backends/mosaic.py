@@ -52,6 +52,12 @@ def _is_hopper() -> bool:
 
 class _MosaicBackend:
   name = "mosaic"
+  platform = "cuda"
+  min_compute_capability = 9.0  # sm90 only (an export without a GPU: pallas)
+  custom_call_targets = ("mosaic_gpu_v2",)  # for jax.export
+  # >>> default_preset (config=None / "auto"): to be measured on an H100/H200
+  # >>> with benchmarks/preset_sweep.py; declare the preset no other preset
+  # >>> beats on both speed and accuracy here. Until then: FALLBACK_PRESET.
 
   def available(self) -> bool:
     return _is_hopper()
@@ -65,6 +71,8 @@ class _MosaicBackend:
               "where they express the mask")
     if call.sm_scale <= 0:
       return "the kernel needs a positive scale"
+    if call.logits_soft_cap is not None:
+      return "logits_soft_cap is applied by the 'pallas' backend only"
     if h > MAX_HEAD_DIM:
       return (f"head dims above {MAX_HEAD_DIM} do not fit the kernel's "
               "registers and shared memory; the 'pallas' backend serves them")

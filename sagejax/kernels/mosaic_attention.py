@@ -345,7 +345,7 @@ def attention_forward(
 
       rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
                                            layout=row_layout)
-      seen = (l > 0) & (rows < q_len)
+      seen = (l != 0) & (rows < q_len)  # a NaN sum is seen (quant's rules)
       inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
       vs = _load(vs_smem.at[wg], col_layout)
       out = (acc * lax.broadcast_in_dim(inv_l, (bq, h), [0])
