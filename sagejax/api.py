@@ -160,8 +160,8 @@ def attention(
       own default preset, the one no other preset beats on both speed and
       accuracy there (``"sage1"`` on ``"pallas"`` and ``"xla"``).
     layout: ``"BTNH"`` (JAX's) or ``"BNTH"``.
-    implementation: ``"xla"``, ``"pallas"``, or None: per platform at
-      lowering time (:func:`jax.lax.platform_dependent`), the fastest
+    implementation: ``"xla"``, ``"pallas"``, ``"mosaic"``, or None: per
+      platform at lowering time (:mod:`sagejax._platforms`), the fastest
       backend that serves the call there, ``"xla"`` (which serves all)
       elsewhere. So ``jax.export`` for ``("cuda", "cpu")`` on any host carries
       the GPU kernels for CUDA and ``"xla"`` for the CPU; see

@@ -84,11 +84,12 @@ def test_auto_is_each_backends_default_preset():
   """None / "auto" resolve per backend; named presets mean the same anywhere."""
   from sagejax import backends
   for name, backend in backends.registry().items():
-    want = PRESETS[backend.default_preset]
+    want = PRESETS[getattr(backend, "default_preset",
+                           backends.FALLBACK_PRESET)]
     assert resolve_config(None, backend=name) is want
     assert resolve_config("auto", backend=backend) is want
   local = next(b for b in backends.registry().values() if b.available())
-  assert resolve_config(None) is PRESETS[local.default_preset]
+  assert resolve_config(None) is resolve_config(None, backend=local)
   assert backends.default_preset("pallas") == "sage1"  # measured, README
 
   class Unmeasured:  # a backend that declares no default yet (mosaic)

@@ -86,10 +86,8 @@ def _forward(backend, config, **kw):
 
 
 @pytest.mark.parametrize("backend,preset,causal", [
-    ("xla", "sage2-8b", True), ("xla", "sage1", False),
-    ("pallas-interpret", "sage2-8b", True),
-    ("pallas-interpret", "sage1", False),
-    ("pallas-interpret", "sage2-4b", True)])
+    ("xla", "sage1", False), ("pallas-interpret", "sage2-8b", True),
+    ("pallas-interpret", "sage2-4b", False)])
 def test_forward_matches_exact_with_cap(backend, preset, causal, qkv,
                                         next_key):
   """Channel-bias data (K smoothing's shift is large, so it must be restored

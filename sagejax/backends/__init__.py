@@ -22,9 +22,9 @@ the backend that ran the forward when it has one and it serves the call
 ``"xla"`` backward (:mod:`sagejax._vjp`) otherwise.
 
 Choosing a backend (``implementation=None``) happens per platform at lowering
-time (:func:`plan`, :func:`jax.lax.platform_dependent`), so that a module
-exported on any host carries the GPU kernels for the GPU and the ``"xla"``
-path elsewhere. What a backend declares for that, without needing a device:
+time (:func:`plan`, :func:`sagejax._platforms.platform_dependent`), so that a
+module exported on any host carries the GPU kernels for the GPU and the
+``"xla"`` path elsewhere. What a backend declares for that, without needing a device:
 
 * ``platform``: the lowering platform its kernels run on (``"cuda"``), or
   None for one that runs on every platform (``"xla"``, the fallback).
