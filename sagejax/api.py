@@ -76,31 +76,68 @@ def _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths):
 
 def _sage_attention_fwd(static, q, k, v, bias, mask, q_lengths, kv_lengths):
   out, lse = _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths)
-  saved = None
-  if static.config.saved_stats and backends.backward_of(
-      static.backend, _call_of(static, q, k, v, bias, mask, q_lengths,
-                               kv_lengths), static.config) is not None:
-    saved = (out, lse)
+  call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
+  # The forward's statistics are saved when the backward of some platform's
+  # branch takes them (residuals have one structure on every platform).
+  keep = any(config.saved_stats
+             and backends.backward_of(name, call, config) is not None
+             for name, config in _branches(static))
+  saved = (out, lse) if keep else None
   res = (q, k, v, bias, mask, q_lengths, kv_lengths, saved)
   return (out, lse), res
+
+
+def _branches(static: _Static) -> list[tuple[str, SageConfig]]:
+  """(backend, config) of the default branch and of each platform's."""
+  return [(static.backend, static.config)] + [
+      (name, config) for _, name, config in static.per_platform]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grads:
+  """The backward after a forward on one backend (hashable, as _Run)."""
+  static: _Static
+  backend: str
+  config: SageConfig
+
+  def __call__(self, q, k, v, bias, mask, q_lengths, kv_lengths, saved,
+               d_out, d_lse):
+    static = self.static
+    call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
+    backend = backends.backward_of(self.backend, call, self.config)
+    if backend is not None:  # a kernel backward (backends.backward_of)
+      dq, dk, dv, dbias = backend.backward(
+          call, self.config, d_out, d_lse,
+          saved if self.config.saved_stats else None)
+    else:
+      canon = functools.partial(_inputs.to_canonical, layout=static.layout)
+      grads = _vjp.attention_backward(
+          canon(q), canon(k), canon(v), bias, mask, q_lengths, kv_lengths,
+          canon(d_out), d_lse, static.spec, static.sm_scale,
+          logits_soft_cap=static.logits_soft_cap)
+      dq, dk, dv = (_inputs.from_canonical(g, static.layout)
+                    for g in grads[:3])
+      dbias = grads[3]
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            None if bias is None else dbias.astype(bias.dtype))
 
 
 def _sage_attention_bwd(static, res, cotangents):
   q, k, v, bias, mask, q_lengths, kv_lengths, saved = res
   d_out, d_lse = cotangents
-  call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
-  backend = backends.backward_of(static.backend, call, static.config)
-  if backend is not None:  # a kernel backward (backends.backward_of)
-    dq, dk, dv, dbias = backend.backward(call, static.config, d_out, d_lse,
-                                         saved)
-    return dq, dk, dv, dbias, None, None, None
-  canon = functools.partial(_inputs.to_canonical, layout=static.layout)
-  grads = _vjp.attention_backward(
-      canon(q), canon(k), canon(v), bias, mask, q_lengths, kv_lengths,
-      canon(d_out), d_lse, static.spec, static.sm_scale,
-      logits_soft_cap=static.logits_soft_cap)
-  dq, dk, dv = (_inputs.from_canonical(g, static.layout) for g in grads[:3])
-  return dq, dk, dv, grads[3], None, None, None
+  args = (q, k, v, bias, mask, q_lengths, kv_lengths, saved, d_out, d_lse)
+  default = _Grads(static, static.backend, static.config)
+  if not static.per_platform:
+    dq, dk, dv, dbias = default(*args)
+  else:  # the backward of each platform's forward, chosen when lowering
+    shapes = tuple(None if x is None else jax.ShapeDtypeStruct(x.shape,
+                                                               x.dtype)
+                   for x in (q, k, v, bias))
+    dq, dk, dv, dbias = _platforms.platform_dependent(
+        *args, default=default, out_shapes=shapes,
+        **{platform: _Grads(static, name, config)
+           for platform, name, config in static.per_platform})
+  return dq, dk, dv, dbias, None, None, None
 
 
 _sage_attention.defvjp(_sage_attention_fwd, _sage_attention_bwd)
@@ -187,8 +224,10 @@ def attention(
   accumulation, softmax statistics recomputed exactly or taken from the
   forward as ``config.backward_stats`` says, INT8 with
   ``config.backward_int8``); otherwise, and always after an ``"xla"``
-  forward, the ``"xla"`` backward: FP32 with exactly recomputed statistics. Gradients flow to ``query``, ``key``,
-  ``value``, ``bias`` and through the returned LSE.
+  forward, the ``"xla"`` backward: FP32 with exactly recomputed statistics.
+  With ``implementation=None`` the backward is chosen per platform with the
+  forward; a ``logits_soft_cap`` takes the ``"xla"`` backward. Gradients flow
+  to ``query``, ``key``, ``value``, ``bias`` and through the returned LSE.
   """
   call = _inputs.parse(query, key, value, bias, mask, scale=scale,
                        is_causal=is_causal, causal_alignment=causal_alignment,

@@ -63,6 +63,8 @@ def test_cuda_cpu_export_runs_here_as_the_xla_backend(qkv, next_key):
   text = exp.mlir_module()
   for name in KERNELS:
     assert name in text, name
+  # The backward is chosen per platform too: the kernel backward for CUDA.
+  assert "sage_attention_bwd_dkdv" in exp.vjp().mlir_module()
   exp = _roundtrip(exp)
   out, lse = exp.call(q, k, v, bias)
   want, want_lse = jax.jit(functools.partial(fn, implementation="xla"))(
