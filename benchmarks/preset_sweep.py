@@ -2,8 +2,9 @@
 
   PYTHONPATH=$PWD python benchmarks/preset_sweep.py --out $OUT [--quick]
 
-For every backend available here (``sagejax.backends.registry()``) and every
-preset, in ONE process:
+For every backend available here (``sagejax.backends.registry()``; on a GPU
+its kernel backends, ``--backends`` to choose) and every preset, in ONE
+process:
 
 1. checks: the backend's output against the ``"xla"`` oracle and exact
    attention on a small call (finite, close), and that a NaN in Q shows as a
@@ -130,7 +131,9 @@ def main():
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--seqs", default="4096,16384")
   ap.add_argument("--backends", default=None,
-                  help="comma list; default: every available backend")
+                  help="comma list; default: the available GPU backends on "
+                       "a GPU (add xla to time the oracle there too), every "
+                       "available backend elsewhere")
   ap.add_argument("--batch", type=int, default=4)
   ap.add_argument("--heads", type=int, default=32)
   ap.add_argument("--head-dim", type=int, default=128)
@@ -147,8 +150,9 @@ def main():
   acc_shape = tuple(int(x) for x in args.acc_shape.split(","))
   b, n, h = args.batch, args.heads, args.head_dim
   gpu = jax.devices()[0].platform == "gpu"
-  names = (args.backends.split(",") if args.backends else
-           [k for k, be in backends.registry().items() if be.available()])
+  names = args.backends.split(",") if args.backends else [
+      k for k, be in backends.registry().items() if be.available()
+      and (not gpu or be.platform is not None)]  # on a GPU: its kernels
   meta = dict(device=env.device_name(), jax=jax.__version__,
               date=datetime.date.today().isoformat(), batch=b, heads=n,
               head_dim=h, seqs=seqs, acc_shape=acc_shape,
