@@ -9,7 +9,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from sagejax import _inputs, _platforms, _vjp, backends
+from sagejax import _inputs, _platforms, _vjp, backends, sharding
 from sagejax.config import ConfigLike, SageConfig
 from sagejax.masks import CausalAlignment, MaskSpec
 
@@ -59,6 +59,13 @@ class _Run:
 
 
 def _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths):
+  """The forward, run on each device's batch/head shard (sagejax.sharding)."""
+  return sharding.attention_forward(
+      functools.partial(_local_forward, static), static.layout)(
+          q, k, v, bias, mask, q_lengths, kv_lengths)
+
+
+def _local_forward(static, q, k, v, bias, mask, q_lengths, kv_lengths):
   arrays = (q, k, v, bias, mask, q_lengths, kv_lengths)
   default = _Run(static, static.backend, static.config)
   if not static.per_platform:
@@ -124,7 +131,19 @@ class _Grads:
 
 def _sage_attention_bwd(static, res, cotangents):
   q, k, v, bias, mask, q_lengths, kv_lengths, saved = res
-  d_out, d_lse = cotangents
+  out, lse = (None, None) if saved is None else saved
+  grads = sharding.attention_backward(
+      functools.partial(_local_backward, static), static.layout,
+      bias is not None)(q, k, v, bias, mask, q_lengths, kv_lengths,
+                        *cotangents, out, lse)
+  dbias = grads[3] if bias is not None else None
+  return grads[0], grads[1], grads[2], dbias, None, None, None
+
+
+def _local_backward(static, q, k, v, bias, mask, q_lengths, kv_lengths, d_out,
+                    d_lse, out, lse):
+  """Gradients on one device's batch/head shard."""
+  saved = None if out is None else (out, lse)
   args = (q, k, v, bias, mask, q_lengths, kv_lengths, saved, d_out, d_lse)
   default = _Grads(static, static.backend, static.config)
   if not static.per_platform:
@@ -137,7 +156,7 @@ def _sage_attention_bwd(static, res, cotangents):
         *args, default=default, out_shapes=shapes,
         **{platform: _Grads(static, name, config)
            for platform, name, config in static.per_platform})
-  return dq, dk, dv, dbias, None, None, None
+  return (dq, dk, dv) + (() if bias is None else (dbias,))
 
 
 _sage_attention.defvjp(_sage_attention_fwd, _sage_attention_bwd)
