@@ -55,6 +55,54 @@ def attention_backward(
   that δ's error never multiplies a large K mean — the oracle of the kernel
   backward's saved-statistics path.
   """
+  f32 = jnp.float32
+  masks = (bias, mask, q_lengths, kv_lengths)
+  if saved is None:
+    out, lse = exact_forward(q, k, v, *masks, spec, sm_scale,
+                             logits_soft_cap=logits_soft_cap)
+  else:
+    out, lse = saved[0].astype(f32), saved[1].astype(f32)
+  delta = jnp.sum(d_out.astype(f32) * out, axis=-1)
+  if d_lse is not None:
+    delta = delta - d_lse.astype(f32)
+  # Rows of dS sum to dLSE, not those of dX under a soft cap: no k̄ split.
+  centred = saved is not None and logits_soft_cap is None
+  kbar = quant.token_mean(k, kv_lengths) if centred else None
+  dq, dk, dv, dbias = backward_from_stats(
+      q, k, v, *masks, d_out, lse, delta, spec, sm_scale, k_offset=kbar,
+      logits_soft_cap=logits_soft_cap)
+  if centred and d_lse is not None:
+    b, n, t, h = q.shape
+    kh = k.shape[1]
+    dl = jnp.where(jnp.isfinite(lse), d_lse.astype(f32), 0.0)
+    dq = dq + (dl.reshape(b, kh, n // kh, t, 1) * kbar[:, :, None, None, :]
+               ).reshape(b, n, t, h) * sm_scale
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+
+
+def exact_forward(q, k, v, bias, mask, q_lengths, kv_lengths, spec: MaskSpec,
+                  sm_scale: float, logits_soft_cap: Optional[float] = None
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Exact FP32 output ``[B, N, T, H]`` and LSE ``[B, N, T]``, blockwise."""
+  b, n, t, h = q.shape
+  out, lse = _KeyBlocks(q, k, v, bias, mask, q_lengths, kv_lengths, spec,
+                        sm_scale, logits_soft_cap).exact_forward()
+  return out.reshape(b, n, t, h), lse.reshape(b, n, t)
+
+
+def backward_from_stats(
+    q, k, v, bias, mask, q_lengths, kv_lengths, d_out: jax.Array,
+    lse: jax.Array, delta: jax.Array, spec: MaskSpec, sm_scale: float,
+    k_offset: Optional[jax.Array] = None,
+    logits_soft_cap: Optional[float] = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, Optional[jax.Array]]:
+  """f32 (dQ, dK, dV, dbias) given the LSE ``[B, N, T]`` and ``delta =
+  rowsum(dO ∘ O) − dLSE`` ``[B, N, T]`` of the whole attention.
+
+  Linear in the keys: the gradients of attention over several key sets (ring
+  attention's shards) are the sums of these calls with the global statistics.
+  ``k_offset`` (f32 ``[B, K, H]``): dQ is taken as dS·(K − k_offset).
+  """
   b, n, t, h = q.shape
   kh, s = k.shape[1], k.shape[2]
   g = n // kh
@@ -62,22 +110,11 @@ def attention_backward(
   blocks = _KeyBlocks(q, k, v, bias, mask, q_lengths, kv_lengths, spec,
                       sm_scale, logits_soft_cap)
   qf, bk, s_pad, gbias = blocks.qf, blocks.bk, blocks.s_pad, blocks.gbias
-  if saved is None:
-    out, lse = blocks.exact_forward()
-  else:
-    out = saved[0].astype(f32).reshape(b, kh, g, t, h)
-    lse = saved[1].astype(f32).reshape(b, kh, g, t)
   do = d_out.astype(f32).reshape(b, kh, g, t, h)
-  delta = jnp.sum(do * out, axis=-1)
-  if d_lse is not None:
-    delta = delta - d_lse.astype(f32).reshape(b, kh, g, t)
+  delta = delta.reshape(b, kh, g, t)
+  lse = lse.reshape(b, kh, g, t)
   lse_use = jnp.where(jnp.isfinite(lse), lse, 0.0)
-  k_off = 0.0
-  # Rows of dS sum to dLSE, not those of dX under a soft cap: no k̄ split.
-  centred = saved is not None and logits_soft_cap is None
-  if centred:
-    kbar = quant.token_mean(k, kv_lengths)[:, :, None, None, :]
-    k_off = kbar[:, :, 0]
+  k_off = 0.0 if k_offset is None else k_offset[:, :, None, :]
 
   def block(dq, j):
     start = j * bk
@@ -103,13 +140,9 @@ def attention_backward(
   def keys_back(x):
     return jnp.moveaxis(x, 0, 2).reshape(b, kh, s_pad, h)[:, :, :s]
   dk, dv = keys_back(dk), keys_back(dv)
-  if centred and d_lse is not None:
-    dl = jnp.where(jnp.isfinite(lse), d_lse.astype(f32).reshape(lse.shape), 0.)
-    dq = dq + dl[..., None] * kbar * sm_scale
   if dbias is not None:
     dbias = _bias_back(dbias, bias.shape)
-  return (dq.reshape(b, n, t, h).astype(q.dtype), dk.astype(k.dtype),
-          dv.astype(v.dtype), dbias)
+  return dq.reshape(b, n, t, h), dk, dv, dbias
 
 
 class _KeyBlocks:
