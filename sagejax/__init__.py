@@ -9,6 +9,12 @@ from sagejax import quant
 from sagejax.api import attention
 from sagejax.config import PRESETS, SageConfig, resolve_config
 from sagejax.reference import exact_attention
+from sagejax.ring import (
+    ring_attention,
+    ring_attention_on_mesh,
+    zigzag_order,
+    zigzag_restore,
+)
 
 __all__ = [
     "PRESETS",
@@ -17,6 +23,10 @@ __all__ = [
     "exact_attention",
     "quant",
     "resolve_config",
+    "ring_attention",
+    "ring_attention_on_mesh",
+    "zigzag_order",
+    "zigzag_restore",
 ]
 
 __version__ = "0.1.0"
