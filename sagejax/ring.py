@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -98,7 +99,7 @@ def _zigzag_dest(chunk: int, size: int) -> int:
 def _zigzag_exchange(x: jax.Array, axis_name, size: int, axis: int,
                      inverse: bool = False) -> jax.Array:
   """Inside ``shard_map``: contiguous shards → zig-zag shards (or back) with
-  two ``ppermute``\ s of half a shard each (what :func:`zigzag_order` does to
+  two ppermute calls of half a shard each (what :func:`zigzag_order` does to
   the global array, without gathering it)."""
   i = jax.lax.axis_index(axis_name)
   even = i % 2 == 0
@@ -325,16 +326,55 @@ def _quantize_local(st: _Static, q, k, v, q_valid, kv_valid):
     v_mean = _global_mean(v, kv_valid, st.ring.axis_name)
     v = v.astype(jnp.float32) - v_mean[:, :, None, :]
   q_vals, q_scale, _ = quant.quantize_q(q, cfg, st.sm_scale, q_valid)
-  k_vals, k_scale, _, _ = quant.quantize_k(k, cfg.replace(smooth_k=False),
-                                           kv_valid)
-  v_vals, v_scale, _ = quant.quantize_v(v, cfg.replace(smooth_v=False),
-                                        kv_valid)
   shift = None
   if k_mean is not None:
     shift = quant.lse_shift(quant.zero_padding(q, q_valid), k_mean,
                             st.sm_scale)
-  payload = (k_vals, _compact_k_scale(k_scale, cfg), v_vals, v_scale)
-  return q_vals, q_scale, payload, v_mean, shift
+  return q_vals, q_scale, _kv_payload(k, v, cfg, kv_valid), v_mean, shift
+
+
+def _kv_payload(k, v, cfg: SageConfig, kv_valid):
+  """What travels around the ring: (K values, K scales per group, V values, V
+  scales per channel), from K and V already smoothed (global means)."""
+  k_vals, k_scale, _, _ = quant.quantize_k(k, cfg.replace(smooth_k=False),
+                                           kv_valid)
+  v_vals, v_scale, _ = quant.quantize_v(v, cfg.replace(smooth_v=False),
+                                        kv_valid)
+  return (_to_wire(k_vals), _compact_k_scale(k_scale, cfg), _to_wire(v_vals),
+          v_scale)
+
+
+def _to_wire(x: jax.Array) -> jax.Array:
+  """8-bit floats travel as their bytes (collectives may widen FP8 types)."""
+  if x.dtype == quant.FP8_DTYPE:
+    return jax.lax.bitcast_convert_type(x, jnp.uint8)
+  return x
+
+
+def _from_wire(x: jax.Array, dtype) -> jax.Array:
+  if x.dtype == jnp.uint8:
+    return jax.lax.bitcast_convert_type(x, dtype)
+  return x
+
+
+def exchange_bytes(key_shape: Sequence[int], config: ConfigLike = "sage2-8b",
+                   layout: str = "BTNH") -> tuple[int, int]:
+  """Bytes of one device's K/V shard on the ring: (quantized, bf16).
+
+  ``key_shape`` is the local ``[B, S/P, K, H]`` (``layout``). The quantized
+  shard is what :func:`ring_attention` sends each step (padded to whole
+  blocks); the bf16 figure is K and V in bf16, what a bf16 ring sends.
+  """
+  cfg = resolve_config(config)
+  b, a1, a2, h = key_shape
+  kh, s = (a2, a1) if layout == "BTNH" else (a1, a2)
+  sp = _round_up(s, max(_TOKEN_MULTIPLE, cfg.block_q, cfg.block_k))
+  x = jax.ShapeDtypeStruct((b, kh, sp, h), jnp.float32)
+  payload = jax.eval_shape(
+      lambda k, v: _kv_payload(k, v, cfg, jnp.full((b,), s, jnp.int32)), x, x)
+  quantized = sum(math.prod(p.shape) * p.dtype.itemsize
+                  for p in jax.tree.leaves(payload))
+  return quantized, 2 * 2 * b * kh * s * h
 
 
 def _attend(st: _Static, backend, q_vals, q_scale, payload, v_mean, q_part,
@@ -346,6 +386,7 @@ def _attend(st: _Static, backend, q_vals, q_scale, payload, v_mean, q_part,
   n_k = payload[0].shape[2]
   half_q, half_k = st.ring.q_len // 2, st.ring.kv_len // 2
   k_vals, k_scale_c, v_vals, v_scale = payload
+  v_vals = _from_wire(v_vals, quant.FP8_DTYPE)
   k_scale = _expand_k_scale(k_scale_c, st.config, n_k)
   q = _rows(q_vals, q_part, half_q, 2)
   qs = _rows(q_scale, q_part, half_q, 2)
@@ -678,14 +719,14 @@ def ring_attention_on_mesh(
     return_lse: bool = False,
     **kwargs,
 ):
-  """:func:`ring_attention` on whole arrays: pads, orders, ``shard_map``\\ s.
+  """:func:`ring_attention` on whole arrays: pads, orders, maps over the mesh.
 
   ``query [B, T, N, H]``, ``key``/``value [B, S, K, H]`` (global). The
   sequence is split over the mesh axis ``seq_axis``; optionally the batch over
   ``batch_axis`` and the heads over ``head_axis`` as well. Lengths not
   divisible by the ring size are padded (and masked). With ``is_causal`` and
   ``load_balance`` the shards are put in zig-zag order first and the output
-  restored (two ``ppermute``\ s of half a shard for each of Q, K, V and the
+  restored (two ppermute calls of half a shard for each of Q, K, V and the
   output: to skip them, keep activations in zig-zag order, see
   :func:`zigzag_order`, and call :func:`ring_attention` with
   ``order="zigzag"`` inside your own ``shard_map``). Other keyword arguments
