@@ -36,22 +36,23 @@ def _loss(fn, w, u):
   return loss
 
 
-# (name, devices, (B, T, N, K, H), causal, load_balance, layout, kind)
+# (name, devices, (B, T, N, K, H), causal, load_balance, layout, kind, grads)
 CASES = [
-    ("plain_gqa", 2, (2, 64, 4, 2, 32), False, False, "BTNH", "normal"),
+    ("plain_gqa", 2, (2, 64, 4, 2, 32), False, False, "BTNH", "normal", True),
     ("causal_contiguous", 4, (2, 96, 4, 2, 32), True, False, "BTNH",
-     "channel_bias"),
+     "channel_bias", False),
     ("causal_zigzag_odd", 4, (2, 90, 4, 2, 32), True, True, "BTNH",
-     "channel_bias"),
+     "channel_bias", True),
     ("causal_zigzag_mqa_bnth", 2, (1, 37, 2, 1, 16), True, True, "BNTH",
-     "normal"),
+     "normal", False),
 ]
 
 
-@pytest.mark.parametrize("name,devices,shape,causal,balance,layout,kind",
-                         CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "name,devices,shape,causal,balance,layout,kind,grads", CASES,
+    ids=[c[0] for c in CASES])
 def test_ring_matches_attention(qkv, next_key, name, devices, shape, causal,
-                                balance, layout, kind):
+                                balance, layout, kind, grads):
   b, t, n, kh, h = shape
   q, k, v = qkv(b, t, t, n, kh, h, kind=kind, dtype=jnp.float32,
                 layout=layout)
@@ -75,7 +76,8 @@ def test_ring_matches_attention(qkv, next_key, name, devices, shape, causal,
   assert ring_err < 1.3 * single_err + 1e-3, (ring_err, single_err)
   assert error_metrics(out, single)["rel_l2"] < 2 * single_err
   np.testing.assert_allclose(lse, exact_lse, atol=0.05)
-
+  if not grads:  # compiling the ring backward is slow on CPU: two cases
+    return
   w = jax.random.normal(next_key(), out.shape)
   u = jax.random.normal(next_key(), lse.shape)
   got = jax.jit(jax.grad(_loss(ring_fn, w, u), (0, 1, 2)))(q, k, v)
@@ -108,8 +110,9 @@ def test_zigzag_helpers_and_ring_in_user_shard_map(qkv):
       mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
   zz = lambda a: sagejax.zigzag_order(a, 4)  # noqa: E731
   got = sagejax.zigzag_restore(jax.jit(local)(zz(q), zz(k), zz(v)), 4)
-  want = sagejax.ring_attention_on_mesh(q, k, v, mesh, seq_axis="seq",
-                                        is_causal=True, implementation="xla")
+  want = jax.jit(lambda *a: sagejax.ring_attention_on_mesh(
+      *a, mesh, seq_axis="seq", is_causal=True, implementation="xla"))(
+          q, k, v)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
