@@ -45,6 +45,11 @@ from sagejax.config import ConfigLike, SageConfig, resolve_config
 from sagejax.masks import MaskSpec
 
 ORDERS = ("contiguous", "zigzag")
+# Backends whose kernel the ring can feed (see _prepared).
+RING_BACKENDS = ("pallas", "xla")
+# Unroll the ring's steps (a measurement knob: one compiled step body, or
+# every step visible to XLA's scheduler; benchmarks/multi_gpu_check.py).
+UNROLL_STEPS = False
 # Local shards are padded to a multiple of this many tokens (and of the
 # config's blocks): every kernel tile then divides the padded length.
 _TOKEN_MULTIPLE = 128
@@ -261,7 +266,8 @@ def _ring_loop(ring: "_Ring", payload, step_fn: Callable, combine: Callable,
     part = step_fn(ring.tasks(False, index, visiting), visiting, current)
     return incoming, combine(carry, part)
 
-  return jax.lax.fori_loop(1, ring.size, body, (incoming, carry))[1]
+  return jax.lax.fori_loop(1, ring.size, body, (incoming, carry),
+                           unroll=UNROLL_STEPS)[1]
 
 
 # ----------------------------------------------------------------------------
@@ -434,9 +440,23 @@ def _prepared(backend, qkv: quant.QuantizedQKV, q_len, kv_len):
            else jnp.swapaxes(v, 2, 3))
     return pallas_triton.Prepared(qkv=dataclasses.replace(qkv, v=v),
                                   q_lengths=q_len, kv_lengths=kv_len)
-  raise ValueError(f"ring_attention runs the 'xla' and 'pallas' backends, "
-                   f"not {backend.name!r}; pass implementation='pallas' or "
-                   "'xla'.")
+  raise ValueError(f"ring_attention runs the backends {RING_BACKENDS}, not "
+                   f"{backend.name!r}.")
+
+
+def _select_backend(name: Optional[str], call, config: SageConfig):
+  """The backend named (it must be one the ring feeds), or the first of
+  those available that serves the call."""
+  if name is not None:
+    if name not in RING_BACKENDS:
+      raise ValueError(f"ring_attention runs the backends {RING_BACKENDS}, "
+                       f"not {name!r}.")
+    return backends.select(name, call, config)
+  for backend in backends.registry().values():
+    if (backend.name in RING_BACKENDS and backend.available()
+        and backend.unsupported(call, config) is None):
+      return backend
+  raise AssertionError("the 'xla' backend serves every call")
 
 
 def _head_dim(backend, h: int) -> int:
@@ -693,7 +713,7 @@ def ring_attention(
   lengths = [_inputs._check_lengths(x, name, b)  # noqa: SLF001
              for x, name in ((query_seq_lengths, "query_seq_lengths"),
                              (key_value_seq_lengths, "key_value_seq_lengths"))]
-  backend = backends.select(implementation, call, cfg)
+  backend = _select_backend(implementation, call, cfg)
   ring = _Ring(axis_name=axis_name, size=_axis_size(axis_name), order=order,
                causal=bool(is_causal), q_len=t, kv_len=s)
   st = _Static(ring=ring, config=cfg, sm_scale=call.sm_scale,

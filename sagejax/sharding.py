@@ -363,9 +363,8 @@ def _explicit_mesh(arrays):
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or mesh.empty:
       continue
-    explicit = getattr(mesh, "_name_to_type", None) or {}
     used = {a for e in sharding.spec for a in _mesh_axes(e)}
-    if any(str(explicit.get(a, "")).endswith("Explicit") for a in used):
+    if used & set(getattr(mesh, "explicit_axes", ())):
       return mesh
   return None
 
