@@ -33,3 +33,53 @@ def test_on_four_cpu_devices(checks):
   report = proc.stdout[-6000:] + proc.stderr[-3000:]
   assert proc.returncode == 0, report
   assert " passed" in proc.stdout and " failed" not in proc.stdout, report
+
+
+# On a machine with several GPUs (python -m pytest -m gpu): the compiled
+# Pallas kernels, sharded and in the ring.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import sagejax  # noqa: E402
+from sagejax.testing import error_metrics  # noqa: E402
+
+gpus = pytest.mark.skipif(
+    jax.default_backend() != "gpu" or jax.device_count() < 2,
+    reason="needs 2 or more NVIDIA GPUs")
+
+
+@pytest.mark.gpu
+@gpus
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_ring_attention_pallas(qkv, causal):
+  mesh = Mesh(np.array(jax.devices()), ("seq",))
+  q, k, v = qkv(1, 1000 * jax.device_count(), 1000 * jax.device_count(), 8,
+                2, 128, kind="channel_bias", dtype=jnp.bfloat16)
+  got = jax.jit(lambda *a: sagejax.ring_attention_on_mesh(
+      *a, mesh, seq_axis="seq", is_causal=causal,
+      implementation="pallas"))(q, k, v)
+  single = jax.jit(lambda *a: sagejax.attention(
+      *a, is_causal=causal, implementation="pallas"))(q, k, v)
+  exact = sagejax.exact_attention(q, k, v, is_causal=causal)
+  ring_err = error_metrics(got, exact)["rel_l2"]
+  single_err = error_metrics(single, exact)["rel_l2"]
+  assert ring_err < 1.3 * single_err + 1e-3, (ring_err, single_err)
+
+
+@pytest.mark.gpu
+@gpus
+def test_gpu_sharded_jit_pallas(qkv):
+  p = jax.device_count()
+  mesh = Mesh(np.array(jax.devices()), ("x",))
+  q, k, v = qkv(2 * p, 700, 700, 8, 4, 128, dtype=jnp.bfloat16)
+  fn = jax.jit(lambda *a: sagejax.attention(*a, is_causal=True,
+                                            implementation="pallas"))
+  sharded = [jax.device_put(x, NamedSharding(mesh, P("x"))) for x in (q, k, v)]
+  compiled = fn.lower(*sharded).compile()
+  assert "all-gather" not in compiled.as_text()
+  got = compiled(*sharded)
+  np.testing.assert_allclose(np.asarray(got, np.float32),
+                             np.asarray(fn(q, k, v), np.float32), atol=2e-3)
