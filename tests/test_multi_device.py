@@ -11,7 +11,14 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sagejax
+from sagejax.testing import error_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHECKS = sorted(p.name for p in (ROOT / "tests" / "multi_device").glob(
@@ -37,15 +44,6 @@ def test_on_four_cpu_devices(checks):
 
 # On a machine with several GPUs (python -m pytest -m gpu): the compiled
 # Pallas kernels, sharded and in the ring.
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-
-import sagejax  # noqa: E402
-from sagejax.testing import error_metrics  # noqa: E402
-
 gpus = pytest.mark.skipif(
     jax.default_backend() != "gpu" or jax.device_count() < 2,
     reason="needs 2 or more NVIDIA GPUs")
