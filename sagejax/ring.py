@@ -46,7 +46,7 @@ from sagejax.masks import MaskSpec
 
 ORDERS = ("contiguous", "zigzag")
 # Backends whose kernel the ring can feed (see _prepared).
-RING_BACKENDS = ("pallas", "xla")
+RING_BACKENDS = ("mosaic", "pallas", "xla")
 # Unroll the ring's steps (a measurement knob: one compiled step body, or
 # every step visible to XLA's scheduler; benchmarks/multi_gpu_check.py).
 UNROLL_STEPS = False
@@ -417,8 +417,8 @@ def _attend(st: _Static, backend, q_vals, q_scale, payload, v_mean, q_part,
       v=jax.ShapeDtypeStruct((b, kh, sk, h), jnp.float32), bias=None,
       mask=None, q_lengths=q_len, kv_lengths=kv_len, spec=spec,
       sm_scale=st.sm_scale, layout="BNTH", unbatched=False)
-  out, lse = backend.kernel(_prepared(backend, qkv, q_len, kv_len), call,
-                            st.config)
+  out, lse = backend.kernel(_prepared(backend, qkv, q_len, kv_len, st.config),
+                            call, st.config)
   out = out.astype(jnp.float32)
   if q_part == "second":  # back into the local rows
     out = jnp.pad(out, [(0, 0), (0, 0), (half_q, 0), (0, 0)])
@@ -427,7 +427,8 @@ def _attend(st: _Static, backend, q_vals, q_scale, payload, v_mean, q_part,
   return _pad_to(out, 2, t_full), _pad_to(lse, 2, t_full, -jnp.inf)
 
 
-def _prepared(backend, qkv: quant.QuantizedQKV, q_len, kv_len):
+def _prepared(backend, qkv: quant.QuantizedQKV, q_len, kv_len,
+              config: SageConfig):
   """``qkv`` in the form ``backend.kernel`` takes."""
   if backend.name == "xla":
     return qkv
@@ -440,6 +441,18 @@ def _prepared(backend, qkv: quant.QuantizedQKV, q_len, kv_len):
            else jnp.swapaxes(v, 2, 3))
     return pallas_triton.Prepared(qkv=dataclasses.replace(qkv, v=v),
                                   q_lengths=q_len, kv_lengths=kv_len)
+  if backend.name == "mosaic":
+    from sagejax.backends import pallas_triton
+    from sagejax.kernels.mosaic_attention import pv_key_order
+    v = qkv.v
+    if v.dtype == quant.FP8_DTYPE:  # [B, K, H, S], keys in the P̃ order
+      v = jnp.swapaxes(jnp.take(v, pv_key_order(v.shape[2]), axis=2), 2, 3)
+    q, k = qkv.q, qkv.k
+    if config.qk_dtype == "int4":  # no 4-bit tensor cores on Hopper
+      q, k = quant.unpack_int4(q), quant.unpack_int4(k)
+    return pallas_triton.Prepared(
+        qkv=dataclasses.replace(qkv, q=q, k=k, v=v), q_lengths=q_len,
+        kv_lengths=kv_len)
   raise ValueError(f"ring_attention runs the backends {RING_BACKENDS}, not "
                    f"{backend.name!r}.")
 
@@ -461,9 +474,11 @@ def _select_backend(name: Optional[str], call, config: SageConfig):
 
 def _head_dim(backend, h: int) -> int:
   """The head dim the backend's kernel runs at (zero channels added)."""
+  from sagejax.kernels._common import next_pow2
   if backend.name == "pallas":
-    from sagejax.kernels._common import next_pow2
     return max(32, next_pow2(h))
+  if backend.name == "mosaic":
+    return max(64, next_pow2(h))
   return h
 
 
@@ -680,8 +695,8 @@ def ring_attention(
     config: a :class:`SageConfig` or preset without ``smooth_q`` (ΔS would
       need the visiting K in full precision): ``"sage2-8b"``, ``"sage1"``.
     layout: ``"BTNH"`` or ``"BNTH"``.
-    implementation: ``"pallas"``, ``"xla"``, or None for the first that serves
-      the call (as :func:`sagejax.attention`).
+    implementation: ``"mosaic"``, ``"pallas"``, ``"xla"``, or None for the
+      first available that serves the call (as :func:`sagejax.attention`).
     return_lse: also return the natural-log LSE, f32 ``[B, N, T/P]``.
 
   Returns:

@@ -181,3 +181,21 @@ def test_errors():
     call(order="zigzag")(jnp.ones((1, 10, 2, 32)), jnp.ones((1, 10, 2, 32)))
   with pytest.raises(ValueError, match="equal local query and key lengths"):
     call(is_causal=True)(q, jnp.ones((1, 8, 2, 32)))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "mosaic"])
+def test_ring_lowers_for_cuda(monkeypatch, impl):
+  """The ring with the GPU kernels (Triton, Mosaic) lowers for CUDA."""
+  from sagejax.backends import mosaic
+  backend = {"pallas": pallas_triton.BACKEND, "mosaic": mosaic.BACKEND}[impl]
+  monkeypatch.setattr(backend, "available", lambda: True)
+  mesh = _mesh(2)
+  q = jnp.ones((1, 512, 4, 128), jnp.bfloat16)
+  fn = jax.jit(jax.shard_map(
+      lambda q, k, v: sagejax.ring_attention(
+          q, k, v, axis_name="seq", is_causal=True, order="zigzag",
+          implementation=impl),
+      mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"),
+      check_vma=False))
+  text = fn.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  assert "collective_permute" in text
