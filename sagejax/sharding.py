@@ -45,6 +45,7 @@ from jax.experimental.custom_partitioning import (
     SdyShardingRule,
     custom_partitioning,
 )
+from jax.extend import core as jax_core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
@@ -178,11 +179,20 @@ def _with_psums(fn: Callable, psum_axes) -> Callable:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Op:
-  """What one wrapped call needs at lowering: the function and its roles."""
+  """What one wrapped call needs at lowering: the function and its roles.
+
+  ``fn`` is traced again for each shard's shapes; ``traced`` is ``fn`` traced
+  once at the global shapes (what runs unpartitioned).
+  """
   fn: Callable  # flat arrays -> tuple of arrays
   names: tuple[str, ...]
   in_roles: tuple[tuple[str, ...], ...]
   out_roles: tuple[tuple[str, ...], ...]
+  traced: Optional[Callable] = None
+
+  @property
+  def global_fn(self) -> Callable:
+    return self.traced or self.fn
 
 
 _parallel_p = Primitive("sagejax_batch_head_parallel")
@@ -200,13 +210,13 @@ def _impl(*args, op: _Op, out_avals):
     # Eager call on sharded arrays: through jit, so that it is partitioned.
     return jax.jit(functools.partial(_parallel_p.bind, op=op,
                                      out_avals=out_avals))(*args)
-  return op.fn(*args)
+  return op.global_fn(*args)
 
 
 def _jvp(primals, tangents, *, op: _Op, out_avals):
   del out_avals
   tangents = [ad.instantiate_zeros(t) for t in tangents]
-  return jax.jvp(op.fn, tuple(primals), tuple(tangents))
+  return jax.jvp(op.global_fn, tuple(primals), tuple(tangents))
 
 
 def _batch_rule(args, dims, *, op: _Op, out_avals):
@@ -223,7 +233,7 @@ def _batch_rule(args, dims, *, op: _Op, out_avals):
     foldable = all(aval.shape[roles.index(BATCH)] == batch
                    for roles, aval in zip(op.out_roles, out_avals))
   if not foldable:
-    outs = jax.vmap(op.fn, in_axes=tuple(dims))(*args)
+    outs = jax.vmap(op.global_fn, in_axes=tuple(dims))(*args)
     return outs, (0,) * len(outs)
   folded = []
   for x, d, roles in zip(args, dims, op.in_roles):
@@ -329,8 +339,8 @@ def _lowering(ctx, *args, op: _Op, out_avals):
   del out_avals
   devices = getattr(ctx.module_context.axis_context, "device_assignment", ())
   if devices is None or len(devices) == 1:  # nothing to partition
-    return mlir.lower_fun(op.fn, multiple_results=True)(ctx, *args)
-  cp = custom_partitioning(op.fn, static_argnums=())
+    return mlir.lower_fun(op.global_fn, multiple_results=True)(ctx, *args)
+  cp = custom_partitioning(op.global_fn, static_argnums=())
   cp.def_partition(
       partition=functools.partial(_partition, op),
       infer_sharding_from_operands=functools.partial(_infer, op),
@@ -433,9 +443,10 @@ def batch_head_parallel(fn: Callable, in_roles: Sequence[Roles],
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
       return tuple(_call_explicit(op, mesh, arrays))
-    out_avals = tuple(jax.core.ShapedArray(o.shape, o.dtype)
-                      for o in jax.eval_shape(flat_fn, *arrays))
-    return tuple(_parallel_p.bind(*arrays, op=op, out_avals=out_avals))
+    closed = jax.make_jaxpr(flat_fn)(*arrays)  # the one global trace
+    op = dataclasses.replace(op, traced=jax_core.jaxpr_as_fun(closed))
+    return tuple(_parallel_p.bind(*arrays, op=op,
+                                  out_avals=tuple(closed.out_avals)))
 
   return wrapped
 
