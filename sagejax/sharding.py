@@ -444,7 +444,8 @@ def batch_head_parallel(fn: Callable, in_roles: Sequence[Roles],
     if mesh is not None:
       return tuple(_call_explicit(op, mesh, arrays))
     closed = jax.make_jaxpr(flat_fn)(*arrays)  # the one global trace
-    op = dataclasses.replace(op, traced=jax_core.jaxpr_as_fun(closed))
+    traced = jax_core.jaxpr_as_fun(closed)
+    op = dataclasses.replace(op, traced=lambda *a: tuple(traced(*a)))
     return tuple(_parallel_p.bind(*arrays, op=op,
                                   out_avals=tuple(closed.out_avals)))
 
