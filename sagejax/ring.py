@@ -703,7 +703,9 @@ def ring_attention(
     This device's output shard in ``query``'s dtype and layout (and the LSE).
     Padding query rows give zeros (LSE −inf).
 
-  Gradients: those of exact attention, as :func:`sagejax.attention`'s.
+  Gradients: those of exact attention with recomputed exact statistics
+  (the arithmetic of :mod:`sagejax._vjp`, in XLA), whatever the config's
+  backward options.
   """
   cfg = resolve_config(config)
   if cfg.smooth_q:
