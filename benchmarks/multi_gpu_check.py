@@ -147,7 +147,7 @@ def check_ring(mesh, s, impl, variant):
   poison((1, s, n, h), NamedSharding(mesh, SEQ))
   out = fn(q, k, v)
   single = jax.jit(lambda *a: sagejax.attention(
-      *a, is_causal=causal, implementation=impl))(q, k, v)
+      *a, is_causal=causal, implementation=impl, config="sage2-8b"))(q, k, v)
   exact = jax.jit(lambda *a: sagejax.exact_attention(
       *a, is_causal=causal))(q, k, v)
   finite = bool(jnp.all(jnp.isfinite(out)))
@@ -216,7 +216,7 @@ def time_ring(mesh, s, impl, variant, single_cache):
     dev = mesh.devices.flat[0]
     ql, kl, vl = (jax.device_put(x, dev) for x in qkv(s // p, n, h, seed=6))
     single = jax.jit(lambda *a: sagejax.attention(
-        *a, is_causal=causal, implementation=impl))
+        *a, is_causal=causal, implementation=impl, config="sage2-8b"))
     single_cache[key] = timeit(single, (ql, kl, vl))
     del ql, kl, vl
   t_one = single_cache[key]
@@ -265,7 +265,8 @@ def time_scaling(devices, impl, axis, s):
   p = len(devices)
   mesh = Mesh(np.array(devices), ("x",))
   n, h = 32, 128
-  fn = jax.jit(lambda *a: sagejax.attention(*a, implementation=impl))
+  fn = jax.jit(lambda *a: sagejax.attention(*a, implementation=impl,
+                                            config="sage2-8b"))
   one = [jax.device_put(x, devices[0]) for x in qkv(s, n, h, seed=8)]
   t_one = timeit(fn, one)
   b, nn = (p, n) if axis == "batch" else (1, n * p)

@@ -66,7 +66,7 @@ def test_ring_matches_attention(qkv, next_key, name, devices, shape, causal,
 
   out, lse = jax.jit(ring_fn)(q, k, v)
   single, _ = jax.jit(lambda *a: sagejax.attention(
-      *a, implementation="xla", **kw))(q, k, v)
+      *a, implementation="xla", config="sage2-8b", **kw))(q, k, v)
   exact, exact_lse = jax.jit(lambda *a: sagejax.exact_attention(*a, **kw))(
       q, k, v)
   ring_err = error_metrics(out, exact)["rel_l2"]
