@@ -47,7 +47,7 @@ from sagejax.bench.timing import TimingConfig, time_calls
 from sagejax.kernels.triton_backward import BackwardTiling
 
 START = time.perf_counter()
-BUDGET_S = 360.0  # one compile + timing past it stays under 7 minutes
+BUDGET_S = float(os.environ.get("SAGEJAX_BUDGET_S", 360.0))  # < 7 min in all
 SAGE = PRESETS["sage2-8b"]
 TIMING = TimingConfig(repeats=5, target_s=0.12, min_calls=3, max_calls=40)
 

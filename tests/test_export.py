@@ -135,7 +135,10 @@ def test_gpu_runs_a_deserialized_export(qkv):
   local = backends.select(None, _inputs.parse(q, k, v, is_causal=True),
                           None).name  # "mosaic" on sm90, else "pallas"
   pallas = jax.jit(functools.partial(fn, implementation=local))(q, k, v)
-  xla_ = jax.jit(functools.partial(fn, implementation="xla"))(q, k, v)
+  # The oracle at the preset the local backend ran ("auto" is per backend).
+  xla_ = jax.jit(functools.partial(fn, implementation="xla",
+                                   config=backends.default_preset(local)))(
+                                       q, k, v)
   exact = sagejax.exact_attention(q, k, v, is_causal=True)
   np.testing.assert_allclose(np.asarray(got, np.float32),
                              np.asarray(pallas, np.float32), rtol=0, atol=0)

@@ -308,24 +308,36 @@ def test_gpu_mask_and_bias(preset):
 
 @gpu
 @needs_gpu
-def test_gpu_default_implementation_is_pallas():
+def test_gpu_default_implementation_is_a_kernel():
+  """"mosaic" on Hopper (sm90), "pallas" on other NVIDIA GPUs."""
   q, k, v = _data(1, 256, 256, 4, 4, 64, dtype=jnp.bfloat16)
   call = _inputs.parse(q, k, v)
   from sagejax import backends
-  assert backends.select(None, call, PRESETS["sage2-8b"]).name == "pallas"
+  from sagejax.backends import mosaic
+  want = "mosaic" if mosaic.BACKEND.available() else "pallas"
+  assert backends.select(None, call, PRESETS["sage2-8b"]).name == want
 
 
 @gpu
 @needs_gpu
-def test_gpu_grad_through_pallas():
+@pytest.mark.parametrize("stats", ["recompute", "saved"])
+def test_gpu_grad_through_pallas(stats):
+  """Recomputed statistics: the gradient of exact attention (1e-4). Saved
+  ones (the quantized forward's output and LSE, sage1's default): cos >=
+  0.999, the bound of the default backward (measured 0.9997 on an H200)."""
   q, k, v = _data(1, 300, 300, 4, 2, 64, dtype=jnp.float32)
   w = jax.random.normal(_key(), q.shape)
+  config = PRESETS["sage1"].replace(backward_stats=stats)
   f = lambda fn: (lambda q, k, v: jnp.sum(fn(q, k, v, is_causal=True) * w))
   got = jax.grad(f(lambda *a, **kw: sagejax.attention(
-      *a, implementation="pallas", **kw)), (0, 1, 2))(q, k, v)
+      *a, implementation="pallas", config=config, **kw)), (0, 1, 2))(q, k, v)
   want = jax.grad(f(sagejax.exact_attention), (0, 1, 2))(q, k, v)
   for g, w_ in zip(got, want):
-    assert testing.error_metrics(g, w_)["rel_l2"] < 1e-4
+    err = testing.error_metrics(g, w_)
+    if stats == "recompute":
+      assert err["rel_l2"] < 1e-4
+    else:
+      assert err["cos_sim"] > 0.999
 
 
 def test_interpreted_backend_under_vmap():

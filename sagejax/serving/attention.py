@@ -50,13 +50,16 @@ def _target_programs() -> int:
   return 2 * (sms if sms > 1 else 132)
 
 
-def default_tiling(page_size: int, groups: int, decode: bool) -> PagedTiling:
+def default_tiling(page_size: int, groups: int, decode: bool,
+                   quantized: bool = True) -> PagedTiling:
   """Decode: one query token per program (rows: the GQA group padded to 16),
   keys split over programs; extend: about 128 rows (tokens × group heads)
-  against 128 keys per step, as the dense kernel's best H=128 tile."""
+  against 128 keys per step, as the dense kernel's best H=128 tile. 16-bit
+  pages pipeline two stages deep: three ask 256 KiB of shared memory at H=128
+  (measured on an H200), above the 227 KiB a block gets."""
   if decode:
     return PagedTiling(block_q=1, block_k=max(64, page_size), num_warps=4,
-                       num_stages=3)
+                       num_stages=3 if quantized else 2)
   gp = 1 << max(0, (groups - 1).bit_length())
   return PagedTiling(block_q=max(1, 128 // gp), block_k=max(128, page_size),
                      num_warps=8, num_stages=2)
@@ -345,7 +348,7 @@ def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
   config = _resolve_config(config, cache)
   if tiling is None:
     tiling = default_tiling(cache.page_size, q.shape[-2] // cache.num_kv_heads,
-                            decode)
+                            decode, cache.quantized)
   sm_scale = 1.0 / _math.sqrt(cache.head_dim) if scale is None else float(
       scale)
   if logits_soft_cap is not None and not logits_soft_cap > 0:
