@@ -486,7 +486,7 @@ def decode_sweep(run: Run, copy_bw: float, tilings):
   if run.smoke:
     configs = [(2, 512)]
   elif run.data["quick"]:
-    configs = [(32, 4096), (8, 32768)]
+    configs = [(32, 4096), (32, 16384), (8, 32768)]
   else:
     configs = [(b, s) for b in (8, 32, 64) for s in (4096, 16384, 32768)]
   rows = []
@@ -653,6 +653,9 @@ def main():
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--smoke", action="store_true",
                       help="tiny shapes, kernels interpreted (CPU)")
+  parser.add_argument("--decode-only", action="store_true",
+                      help="copy bandwidth and the quick decode sweep only, "
+                      "default tilings (no checks, no tiling sweep)")
   parser.add_argument("--cache-error", action="store_true",
                       help="only the cache quantization error table (CPU)")
   args = parser.parse_args()
@@ -662,6 +665,13 @@ def main():
   if args.cache_error:
     cache_error(run)
     run.save()
+    return
+  if args.decode_only:
+    run.data["quick"] = True
+    copy_bw = run.guard("copy", copy_bandwidth, run) or float("nan")
+    run.guard("decode", decode_sweep, run, copy_bw, {})
+    run.save()
+    report(run)
     return
   run.guard("correctness", correctness, run)
   run.save()
