@@ -55,13 +55,16 @@ def default_tiling(page_size: int, groups: int, decode: bool,
   """Decode: one query token per program (rows: the GQA group padded to 16),
   keys split over programs; extend: about 128 rows (tokens × group heads)
   against 128 keys per step, as the dense kernel's best H=128 tile. 16-bit
-  pages pipeline two stages deep: three ask 256 KiB of shared memory at H=128
-  (measured on an H200), above the 227 KiB a block gets."""
+  pages need smaller tiles: the quantized pages' tiles ask 256 KiB of shared
+  memory at H=128 on an H200, above the 227 KiB a block gets (decode: 2
+  stages, measured to fit; extend: 64 keys, not yet run on a GPU)."""
   if decode:
     return PagedTiling(block_q=1, block_k=max(64, page_size), num_warps=4,
                        num_stages=3 if quantized else 2)
   gp = 1 << max(0, (groups - 1).bit_length())
-  return PagedTiling(block_q=max(1, 128 // gp), block_k=max(128, page_size),
+  # 16-bit pages: 128-key tiles asked 256 KiB at 2 stages on an H200.
+  return PagedTiling(block_q=max(1, 128 // gp),
+                     block_k=max(128 if quantized else 64, page_size),
                      num_warps=8, num_stages=2)
 
 
