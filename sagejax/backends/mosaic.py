@@ -20,6 +20,7 @@ import jax
 
 from sagejax import quant
 from sagejax._inputs import ParsedCall
+from sagejax.backends._device import gpu_compute_capability
 from sagejax.backends.pallas_triton import Prepared, quantize_inputs
 from sagejax.config import SageConfig
 from sagejax.kernels._common import next_pow2
@@ -37,17 +38,8 @@ def default_tiling(head_dim: int, config: SageConfig) -> MosaicTiling:
 
 
 def _is_hopper() -> bool:
-  try:
-    device = jax.devices()[0]
-  except RuntimeError:
-    return False
-  if device.platform != "gpu":
-    return False
-  cc = getattr(device, "compute_capability", None)
-  try:
-    return cc is not None and 9.0 <= float(cc) < 10.0
-  except (TypeError, ValueError):
-    return False
+  cc = gpu_compute_capability()
+  return cc is not None and 9.0 <= cc < 10.0  # NaN (unknown): not Hopper
 
 
 class _MosaicBackend:

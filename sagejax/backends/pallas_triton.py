@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from sagejax import quant
 from sagejax._inputs import ParsedCall, to_canonical
+from sagejax.backends._device import gpu_compute_capability
 from sagejax.config import SageConfig
 from sagejax.kernels import triton_attention, triton_backward, triton_quantize
 from sagejax.kernels._common import next_pow2
@@ -207,17 +208,8 @@ class _PallasTritonBackend:
   def available(self) -> bool:
     if self.interpret:
       return True
-    try:
-      device = jax.devices()[0]
-    except RuntimeError:
-      return False
-    if device.platform != "gpu":
-      return False
-    cc = getattr(device, "compute_capability", None)
-    try:
-      return cc is None or float(cc) >= 8.0
-    except (TypeError, ValueError):
-      return True
+    cc = gpu_compute_capability()
+    return cc is not None and not cc < 8.0  # a GPU that does not say: try
 
   def unsupported(self, call: ParsedCall, config: SageConfig
                   ) -> Optional[str]:
