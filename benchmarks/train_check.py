@@ -2,7 +2,8 @@
 
   PYTHONPATH=$PWD python benchmarks/train_check.py --out $OUT [--quick]
 
-1. Correctness: the compiled backward kernels (``"pallas"``) against the exact
+1. Correctness: the compiled backward kernels (``"mosaic"`` on Hopper with
+   recomputed or saved statistics, ``"pallas"``) against the exact
    FP32 ``"xla"`` backward, bf16 inputs, device memory poisoned with NaN
    before each run (an output element a kernel forgets to write shows as
    NaN): cosine and relative L2 of dQ, dK, dV for the default backward, saved
@@ -18,6 +19,11 @@
    block_until_ready; the median over repeats. Also the forward alone and the
    planned device memory (XLA's memory analysis) of each step.
 3. If time is left: a tile sweep of the backward kernels.
+
+``--mosaic-parts "block_q,block_kv,stages,regs_c,regs_p;..."`` instead times
+the Mosaic backward's pieces (statistics forward, dK/dV, dQ with and without
+the exact statistics, the whole backward) under each tiling, then exits.
+``--variants``, ``--shapes`` and ``--check-variants`` narrow a run.
 
 Every variant runs under try/except (a failure is printed and recorded);
 a time budget keeps the run under ~6.5 minutes (what is cut is recorded).
@@ -41,8 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import sagejax
-from sagejax import PRESETS, testing
-from sagejax.backends import pallas_triton
+from sagejax import PRESETS, _inputs, quant, testing
+from sagejax.backends import mosaic, pallas_triton
+from sagejax.kernels import mosaic_backward as mb
+from sagejax.kernels.mosaic_attention import MosaicTiling, attention_forward
+from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
 from sagejax.bench.timing import TimingConfig, time_calls
 from sagejax.kernels.triton_backward import BackwardTiling
 
@@ -86,8 +95,10 @@ def default_tiling(h, **changes):
                              **changes)
 
 
-# (name, config, tiling changes): the backward variants.
+# name: (config, "pallas" backward tiling changes[, implementation]).
 VARIANTS = {
+    "mosaic": (SAGE, {}, "mosaic"),
+    "mosaic+saved": (SAGE.replace(backward_stats="saved"), {}, "mosaic"),
     "default": (SAGE, {}),
     "saved": (SAGE.replace(backward_stats="saved"), {}),
     "recompute": (SAGE.replace(backward_stats="recompute"), {}),
@@ -142,7 +153,14 @@ CHECK_SHAPES = [
     (1, 3000, 4, 1, 96, True, {"causal_alignment": "bottom_right",
                                "key_value_seq_lengths": (2900,)}),
 ]
-CHECK_VARIANTS = ["default", "saved", "int8", "int8+saved", "atomic-dq"]
+CHECK_VARIANTS = ["mosaic", "mosaic+saved", "default", "saved", "int8",
+                  "int8+saved", "atomic-dq"]
+
+
+def variant(name):
+  """(config, "pallas" tiling changes, implementation) of a variant."""
+  config, tiles, *impl = VARIANTS[name]
+  return config, tiles, (impl or ["pallas"])[0]
 
 
 def check(results, quick):
@@ -159,7 +177,7 @@ def check(results, quick):
       ref = jax.jit(sage_step(SAGE, causal, impl="xla", **kw))
       _, want = ref(q, k, v, do)
       for name in CHECK_VARIANTS:
-        config, tiles = VARIANTS[name]
+        config, tiles, impl = variant(name)
         row = {"shape": [b, s, n, kh, h, causal], "extra": extra,
                "data": kind, "variant": name}
         if elapsed() > BUDGET_S * 0.4:
@@ -168,7 +186,7 @@ def check(results, quick):
           continue
         try:
           with backward_tiling(default_tiling(h, **tiles) if tiles else None):
-            fn = jax.jit(sage_step(config, causal, **kw))
+            fn = jax.jit(sage_step(config, causal, impl=impl, **kw))
             fn = fn.lower(q, k, v, do).compile()
           poison()
           _, got = fn(q, k, v, do)
@@ -180,7 +198,7 @@ def check(results, quick):
           cos = min(row[g]["cos"] for g in ("dq", "dk", "dv"))
           # The default backward (and its atomic-dQ form) must keep cos >=
           # 0.999; the options are measured (their bounds: NOTES.md).
-          bound = 0.999 if name in ("default", "atomic-dq") else 0.95
+          bound = 0.999 if name in ("default", "atomic-dq", "mosaic") else 0.95
           row["status"] = ("ok" if row["finite"] and cos >= bound
                            else f"FAIL (min cos {cos:.6f} < {bound})")
         except Exception as e:  # pylint: disable=broad-except
@@ -203,8 +221,9 @@ TIME_SHAPES = [  # (H, S, causal), B=2, N=32
     (64, 16384, True),
 ]
 QUICK_SHAPES = [(128, 4096, False), (128, 4096, True), (64, 4096, False)]
-CORE = ["cudnn", "default", "saved", "int8+saved", "implementation=None"]
-EXTRA = ["recompute", "int8", "atomic-dq", "saved+atomic-dq",
+CORE = ["cudnn", "mosaic", "mosaic+saved", "default", "saved",
+        "implementation=None"]
+EXTRA = ["int8+saved", "recompute", "int8", "atomic-dq", "saved+atomic-dq",
          "int8+saved+atomic-dq", "fwd:cudnn", "fwd:sage2-8b"]
 
 
@@ -224,9 +243,9 @@ def build(name, h, causal):
   if name == "fwd:sage2-8b":
     return jax.jit(lambda q, k, v, do: sagejax.attention(
         q, k, v, is_causal=causal, implementation="pallas")), None
-  config, tiles = VARIANTS[name]
-  return jax.jit(sage_step(config, causal)), (default_tiling(h, **tiles)
-                                              if tiles else None)
+  config, tiles, impl = variant(name)
+  return jax.jit(sage_step(config, causal, impl=impl)), (
+      default_tiling(h, **tiles) if tiles else None)
 
 
 def time_one(name, fn, tiling, args, b, n, s, h, causal):
@@ -254,13 +273,16 @@ def time_one(name, fn, tiling, args, b, n, s, h, causal):
   return row
 
 
-def speed(results, quick):
-  shapes = QUICK_SHAPES if quick else TIME_SHAPES
+def speed(results, quick, shapes=None, variants=None):
+  shapes = shapes or (QUICK_SHAPES if quick else TIME_SHAPES)
   extra = ["atomic-dq", "fwd:cudnn", "fwd:sage2-8b"] if quick else EXTRA
+  core = CORE
+  if variants:
+    core, extra = variants, []
   b, n = 2, 32
-  for group in (CORE, extra):
+  for group in (core, extra):
     for h, s, causal in shapes:
-      if elapsed() > BUDGET_S * (0.8 if group is CORE else 0.9):
+      if elapsed() > BUDGET_S * (0.8 if group is core else 0.9):
         results.extend({"variant": v, "H": h, "S": s, "causal": causal,
                         "status": "skipped: time budget"} for v in group)
         continue
@@ -273,6 +295,75 @@ def speed(results, quick):
         fn, tiling = build(name, h, causal)
         results.append(time_one(name, fn, tiling, args, b, n, s, h, causal))
       del args
+
+
+def mosaic_parts(results, shapes, tilings):
+  """The Mosaic backward's pieces alone (BTNH, B=2, N=32): the 16-bit
+  statistics forward, the dK/dV and dQ kernels under each tiling, and the
+  whole backward as the custom VJP runs it."""
+  b, n = 2, 32
+  f32 = jnp.float32
+  for h, s, causal in shapes:
+    q, k, v, do = inputs(b, s, n, n, h)
+    call = _inputs.parse(q, k, v, is_causal=causal)
+    lens = jnp.full((b,), s, jnp.int32)
+    c = call.sm_scale * quant.LOG2E
+
+    def stats(q, k, v):
+      return attention_forward(
+          q, jnp.full((b, n, s), c, f32), k, None, v, jnp.ones((b, n, h)),
+          None, None, call.spec, q_lengths=lens, kv_lengths=lens,
+          out_dtype=q.dtype, out_layout="BTNH", in_layout="BTNH",
+          tiling=MosaicTiling(block_kv=128, num_stages=3 if h <= 64 else 2))
+
+    out, lse = jax.jit(stats)(q, k, v)
+    lse2 = lse * quant.LOG2E
+    delta = jnp.swapaxes(jnp.sum(do.astype(f32) * out.astype(f32), -1), 1, 2)
+    zeros, km = jnp.zeros_like(lse2), jnp.zeros((b, n, h), f32)
+    common = dict(spec=call.spec, c=c, sm_scale=call.sm_scale,
+                  layout="BTNH", dims=(b, n, s, h, n, s))
+    fns = {"stats fwd": (jax.jit(stats), (q, k, v)),
+           "sage fwd": (jax.jit(lambda q, k, v: mosaic.BACKEND.forward(
+               call, SAGE)), (q, k, v)),
+           # as jax.grad runs it: the forward's LSE as the estimate
+           "backward": (jax.jit(lambda q, k, v, do, lse: (
+               mosaic.BACKEND.backward(
+                   _inputs.parse(q, k, v, is_causal=causal), SAGE, do,
+                   jnp.zeros((b, n, s)), (None, lse))[:3])),
+                        (q, k, v, do, lse))}
+    for tiling in tilings:
+      tag = (f"q{tiling.block_q} kv{tiling.block_kv} s{tiling.num_stages} "
+             f"r{tiling.consumer_registers}/{tiling.producer_registers}")
+      # pylint: disable=protected-access
+      fns["dkdv " + tag] = (jax.jit(lambda *a, t=tiling: mb._dkdv(
+          *a, lens, lens, tiling=t, **common)), (q, k, v, do, lse2, delta))
+      fns["dq " + tag] = (jax.jit(lambda *a, t=tiling: mb._dq(
+          *a, lens, lens, tiling=t, **common)),
+                          (q, k, v, do, lse2, delta, zeros, km))
+      fns["dq+stats " + tag] = (jax.jit(lambda q, k, v, do, lse2, t=tiling: (
+          mb._dq(q, k, v, do, lse2, None, zeros, km, lens, lens,
+                 tiling=t, **common))), (q, k, v, do, lse2 + 0.01))
+      # pylint: enable=protected-access
+    fl = 4.0 * b * n * s * s * h / (2 if causal else 1)
+    for name, (fn, args) in fns.items():
+      if elapsed() > BUDGET_S:
+        results.append({"part": name, "status": "skipped: time budget"})
+        continue
+      row = {"part": name, "H": h, "S": s, "causal": causal}
+      try:
+        t = time_calls(fn.lower(*args).compile(), [args], TIMING)
+        row["ms"] = t.median_s * 1e3
+        # matmuls (each 2·T·S·H): fwd 2, dK/dV 4, dQ 3, backward 9
+        mm = {"stats": 2, "sage": 2, "dkdv": 4, "dq": 3, "dq+stats": 4,
+              "backward": 8}[name.split()[0]]
+        row["tflops"] = fl / 2 * mm / t.median_s / 1e12
+        row["status"] = "ok"
+      except Exception as e:  # pylint: disable=broad-except
+        traceback.print_exc()
+        row["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+      log("part", name, h, s, causal, row.get("ms"), row.get("tflops"),
+          row["status"])
+      results.append(row)
 
 
 SWEEP = {
@@ -298,7 +389,7 @@ def sweep(results, quick):
             block_q=bq, block_k=bk, block_q_dq=bq2, block_k_dq=bk2,
             num_warps=warps, num_stages=stages, num_warps_dq=warps,
             num_stages_dq=stages)
-        row = time_one("saved", jax.jit(sage_step(VARIANTS["saved"][0],
+        row = time_one("saved", jax.jit(sage_step(variant("saved")[0],
                                                   causal)), tiling, args, b,
                        n, s, h, causal)
         row["tiling"] = dataclasses.asdict(tiling)
@@ -349,7 +440,24 @@ def main():
   p.add_argument("--out", default="train_check_out")
   p.add_argument("--quick", action="store_true")
   p.add_argument("--skip-check", action="store_true")
+  p.add_argument("--check-variants", default=None,
+                 help="comma-separated backward variants to check")
+  p.add_argument("--variants", default=None,
+                 help="comma-separated variants to time (replaces the lists)")
+  p.add_argument("--shapes", default=None,
+                 help='shapes to time, "H,S,causal;..." (B=2, N=32)')
+  p.add_argument("--no-sweep", action="store_true")
+  p.add_argument("--mosaic-parts", default=None,
+                 help='time the Mosaic backward\'s pieces under tilings '
+                 '"block_q,block_kv,stages,regs_c,regs_p;..." (then exit)')
   args = p.parse_args()
+  if args.check_variants:
+    CHECK_VARIANTS[:] = args.check_variants.split(",")
+  shapes = None
+  if args.shapes:
+    shapes = [(int(h), int(s), c in ("1", "True", "true", "causal"))
+              for h, s, c in (x.split(",") for x in args.shapes.split(";"))]
+  variants = args.variants.split(",") if args.variants else None
   os.makedirs(args.out, exist_ok=True)
   report = {"device": jax.devices()[0].device_kind,
             "jax": jax.__version__,
@@ -361,8 +469,28 @@ def main():
     with open(path, "w") as f:
       json.dump(report, f, indent=1, default=str)
 
-  for section, fn in (("check", check), ("speed", speed), ("sweep", sweep)):
-    if section == "check" and args.skip_check:
+  if args.mosaic_parts is not None:
+    tilings = [MosaicBackwardTiling(*map(int, x.split(",")))
+               for x in args.mosaic_parts.split(";") if x]
+    report["parts"] = []
+    mosaic_parts(report["parts"], shapes or QUICK_SHAPES,
+                 tilings or [MosaicBackwardTiling()])
+    save()
+    for r in report["parts"]:
+      if r.get("status") == "ok":
+        mode = "causal" if r["causal"] else ""
+        print(f"{r['H']:4d} {r['S'] // 1024:3d}k {mode:6s} {r['part']:32s} "
+              f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF")
+      else:
+        print(r.get("part"), r.get("status"))
+    return
+  sections = (("check", check),
+              ("speed", lambda rows, quick: speed(rows, quick, shapes,
+                                                  variants)),
+              ("sweep", sweep))
+  for section, fn in sections:
+    if (section == "check" and args.skip_check) or (
+        section == "sweep" and args.no_sweep):
       continue
     try:
       fn(report[section], args.quick)

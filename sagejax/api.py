@@ -84,12 +84,14 @@ def _local_forward(static, q, k, v, bias, mask, q_lengths, kv_lengths):
 def _sage_attention_fwd(static, q, k, v, bias, mask, q_lengths, kv_lengths):
   out, lse = _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths)
   call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
-  # The forward's statistics are saved when the backward of some platform's
-  # branch takes them (residuals have one structure on every platform).
-  keep = any(config.saved_stats
-             and backends.backward_of(name, call, config) is not None
-             for name, config in _branches(static))
-  saved = (out, lse) if keep else None
+  # The forward's LSE is saved for a kernel backward (the Mosaic backward
+  # corrects it into the exact statistics; [B, N, T] is small), its output
+  # too when that backward takes δ from it (residuals have one structure on
+  # every platform).
+  kernel_bwd = [(name, config) for name, config in _branches(static)
+                if backends.backward_of(name, call, config) is not None]
+  keep_out = any(config.saved_stats for _, config in kernel_bwd)
+  saved = (out if keep_out else None, lse) if kernel_bwd else None
   res = (q, k, v, bias, mask, q_lengths, kv_lengths, saved)
   return (out, lse), res
 
@@ -113,9 +115,10 @@ class _Grads:
     call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
     backend = backends.backward_of(self.backend, call, self.config)
     if backend is not None:  # a kernel backward (backends.backward_of)
+      if saved is not None and not self.config.saved_stats:
+        saved = (None, saved[1])  # the LSE alone: a hint, not δ's source
       dq, dk, dv, dbias = backend.backward(
-          call, self.config, d_out, d_lse,
-          saved if self.config.saved_stats else None)
+          call, self.config, d_out, d_lse, saved)
     else:
       canon = functools.partial(_inputs.to_canonical, layout=static.layout)
       grads = _vjp.attention_backward(
@@ -143,7 +146,7 @@ def _sage_attention_bwd(static, res, cotangents):
 def _local_backward(static, q, k, v, bias, mask, q_lengths, kv_lengths, d_out,
                     d_lse, out, lse):
   """Gradients on one device's batch/head shard."""
-  saved = None if out is None else (out, lse)
+  saved = None if lse is None else (out, lse)
   args = (q, k, v, bias, mask, q_lengths, kv_lengths, saved, d_out, d_lse)
   default = _Grads(static, static.backend, static.config)
   if not static.per_platform:

@@ -239,7 +239,7 @@ def test_int8_backward_accuracy(qkv, next_key):
 def test_custom_vjp_uses_the_kernel_backward(qkv, next_key, monkeypatch):
   """sagejax.attention under jax.grad runs the forward backend's backward
   (here the interpreted kernels standing in for "pallas"), saving the
-  forward's statistics only when the config says so; a kernel backend
+  forward's LSE and, only when the config says so, its output; a kernel backend
   without a backward borrows it; with no kernel backward serving the call,
   the "xla" backward runs."""
   monkeypatch.setitem(backends.registry(), "pallas", FAST)
@@ -247,7 +247,8 @@ def test_custom_vjp_uses_the_kernel_backward(qkv, next_key, monkeypatch):
   real = pallas_triton._PallasTritonBackend.backward
 
   def spy(self, call, config, d_out, d_lse, saved, tiling=None):
-    calls.append(saved is not None)
+    assert saved is not None and saved[1].shape == d_lse.shape  # the LSE
+    calls.append(saved[0] is not None)  # the output: δ's source
     return real(self, call, config, d_out, d_lse, saved, tiling or TILING)
   monkeypatch.setattr(pallas_triton._PallasTritonBackend, "backward", spy)
   q, k, v = qkv(1, 40, 60, 4, 2, 32, kind="channel_bias", dtype=jnp.float32)

@@ -91,7 +91,9 @@ class BackwardBackend(Backend, Protocol):
   * ``d_lse``: the LSE's cotangent, f32 ``[B, N, T]`` (zeros when unused).
   * ``saved``: ``(output in call.layout, natural-log LSE f32 [B, N, T])`` of
     the forward when ``config.saved_stats`` (take δ = rowsum(dO ∘ O) and the
-    softmax statistics from them), else None (recompute them exactly).
+    softmax statistics from them); ``(None, LSE)`` or None otherwise: the
+    exact statistics are recomputed (the forward's LSE may serve as an
+    estimate).
 
   Returns ``(dq, dk, dv, dbias)``: dq, dk, dv in ``call.layout`` and the
   inputs' dtypes, dbias in the bias's own shape and dtype (None without a

@@ -9,6 +9,13 @@ transposed and in the kernel's key order.
 Calls it does not serve (``unsupported`` says why, and ``implementation=None``
 then picks the ``"pallas"`` backend): user ``mask``/``bias`` arrays, head dims
 above 128, a negative ``scale``.
+
+Its backward (:mod:`sagejax.kernels.mosaic_backward`, 16-bit ``wgmma``)
+computes the exact softmax statistics in its dQ kernel from the forward's
+saved LSE (``backward_stats="recompute"``, the default), or takes δ from the
+saved output too (``"saved"``: one product fewer, the quantized forward's
+error in the gradient); calls it does not serve (``backward_unsupported``:
+FP32 inputs, the 8-bit backward) take the ``"pallas"`` backward kernels.
 """
 
 from __future__ import annotations
@@ -17,14 +24,18 @@ import dataclasses
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
 from sagejax import quant
-from sagejax._inputs import ParsedCall
+from sagejax._inputs import ParsedCall, to_canonical
 from sagejax.backends._device import gpu_compute_capability
-from sagejax.backends.pallas_triton import Prepared, quantize_inputs
+from sagejax.backends.pallas_triton import (Prepared, _pad_axis,
+                                            quantize_inputs)
 from sagejax.config import SageConfig
+from sagejax.kernels import mosaic_backward
 from sagejax.kernels._common import next_pow2
 from sagejax.kernels.mosaic_attention import MosaicTiling, attention_forward
+from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
 
 MAX_HEAD_DIM = 128
 
@@ -118,6 +129,98 @@ class _MosaicBackend:
   def forward(self, call: ParsedCall, config: SageConfig
               ) -> tuple[jax.Array, jax.Array]:
     return self.kernel(self.prepare(call, config), call, config)
+
+  backward_tiling: Optional[MosaicBackwardTiling] = None
+
+  def backward_unsupported(self, call: ParsedCall, config: SageConfig
+                           ) -> Optional[str]:
+    reason = self.unsupported(call, config)
+    if reason is not None:
+      return reason
+    dtypes = {jnp.dtype(x.dtype) for x in (call.q, call.k, call.v)}
+    if len(dtypes) != 1 or dtypes.pop().itemsize != 2:
+      return ("the Hopper backward takes Q, K, V of one 16-bit dtype; the "
+              "'pallas' backward serves others")
+    if config.backward_int8:
+      return "the 8-bit backward (backward_int8) runs in the 'pallas' kernels"
+    return None
+
+  def backward(self, call: ParsedCall, config: SageConfig, d_out: jax.Array,
+               d_lse: Optional[jax.Array],
+               saved: Optional[tuple[jax.Array, jax.Array]],
+               tiling: Optional[MosaicBackwardTiling] = None):
+    """Gradients of exact attention by the Mosaic backward kernels; see
+    :class:`sagejax.backends.BackwardBackend`."""
+    b, n, t, h, kh, s = call.dims
+    hp = max(64, next_pow2(h))
+    tiling = tiling or self.backward_tiling or MosaicBackwardTiling()
+    unit = 2 * mosaic_backward.ROWS  # a multiple of every tile
+    t_pad, s_pad = -(-t // unit) * unit, -(-s // unit) * unit
+    layout = call.layout
+    t_ax = 1 if layout == "BTNH" else 2
+    f32 = jnp.float32
+
+    def pad(x, size):
+      return _pad_axis(_pad_axis(x, 3, hp), t_ax, size)
+
+    def vec(x, value=0.0):  # [B, N, T] -> [B, N, T_pad]
+      return _pad_axis(x.astype(f32), 2, t_pad, value)
+
+    def canonical_rows(x):  # [B, T_pad, N] (BTNH) -> [B, N, T_pad]
+      return jnp.swapaxes(x, 1, 2) if layout == "BTNH" else x
+
+    q_lengths = quant.valid_lengths(call.q_lengths, b, t)
+    kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
+    # K smoothed (K − k̄) in its dtype: dQ never multiplies a large mean.
+    k_mean = quant.token_mean(to_canonical(call.k, layout), kv_lengths)
+    k_mean = _pad_axis(k_mean, 2, hp)
+    k = pad(call.k, s_pad)
+    k_bcast = k_mean[:, None] if layout == "BTNH" else k_mean[:, :, None]
+    kc = (k.astype(f32) - k_bcast).astype(k.dtype)
+    # V smoothed too: dP − δ is unchanged, their rounding is not that of a
+    # large V mean.
+    v_mean = _pad_axis(quant.token_mean(to_canonical(call.v, layout),
+                                        kv_lengths), 2, hp)
+    v_bcast = v_mean[:, None] if layout == "BTNH" else v_mean[:, :, None]
+    v = pad(call.v, s_pad)
+    vc = (v.astype(f32) - v_bcast).astype(v.dtype)
+    q, do = pad(call.q, t_pad), pad(d_out, t_pad)
+    out, lse = (None, None) if saved is None else saved
+    if lse is not None:  # the LSE of the smoothed logits: minus q·k̄
+      shift = quant.lse_shift(
+          quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
+          k_mean[..., :h], call.sm_scale)
+      lse = vec(lse - shift, -jnp.inf)
+    if out is not None:
+      out = pad(out.astype(q.dtype), t_pad)
+    elif lse is None:  # exact statistics: the forward kernel in 16 bits
+      out, lse = attention_forward(
+          q, jnp.full((b, n, t_pad), call.sm_scale * quant.LOG2E, f32), kc,
+          None, vc, jnp.ones((b, kh, hp), f32), None, None, call.spec,
+          q_lengths=q_lengths, kv_lengths=kv_lengths, out_dtype=q.dtype,
+          out_layout=layout, in_layout=layout, tiling=MosaicTiling(
+              block_kv=128, num_stages=3 if hp <= 64 else 2))
+      v_mean = jnp.zeros_like(v_mean)  # its output is of smoothed V
+    seen = lse != -jnp.inf  # a NaN LSE stays NaN (and reaches the grads)
+    lse2 = jnp.where(seen, lse * quant.LOG2E, jnp.inf)
+    dl = jnp.zeros_like(lse2) if d_lse is None else jnp.where(
+        seen, vec(d_lse), 0.0)
+    delta = None  # LSE only: the dQ kernel makes the exact statistics
+    if out is not None:  # δ = rowsum(dO ∘ (O − v̄)) − dLSE
+      v_rows = jnp.repeat(v_mean, n // kh, axis=1)
+      v_rows = v_rows[:, None] if layout == "BTNH" else v_rows[:, :, None]
+      delta = canonical_rows(jnp.sum(
+          do.astype(f32) * (out.astype(f32) - v_rows), -1))
+      delta = jnp.where(seen, delta - dl, 0.0)
+    dq, dk, dv = mosaic_backward.attention_backward(
+        q, kc, vc, do, lse2, delta, dl, k_mean, call.spec,
+        sm_scale=call.sm_scale, layout=layout, q_lengths=q_lengths,
+        kv_lengths=kv_lengths, tiling=tiling)
+    if layout == "BTNH":
+      dq, dk, dv = dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
+    else:
+      dq, dk, dv = dq[:, :, :t, :h], dk[:, :, :s, :h], dv[:, :, :s, :h]
+    return dq, dk, dv, None
 
 
 BACKEND = _MosaicBackend()

@@ -337,7 +337,7 @@ class _PallasTritonBackend:
     vec = lambda x, value=0.0: _pad_axis(x.astype(jnp.float32), 2, t_pad,
                                           value)
     out = lse = None
-    if saved is not None:
+    if saved is not None and saved[0] is not None:  # else recompute
       out, lse = pad(saved[0].astype(q.dtype), t_pad), vec(saved[1], -jnp.inf)
     int8_ops = None
     if int8:

@@ -30,6 +30,16 @@ def next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 
 
+def layout_dims(q, k, layout: str) -> tuple[int, int, int, int, int, int]:
+  """``(B, N, T, H, K, S)`` of Q ``[B, T, N, H]`` and K ``[B, S, K, H]``
+  (``"BTNH"``) or Q ``[B, N, T, H]`` and K ``[B, K, S, H]`` (``"BNTH"``)."""
+  if layout == "BTNH":
+    (b, t, n, h), (s, kh) = q.shape, k.shape[1:3]
+  else:
+    (b, n, t, h), (kh, s) = q.shape, k.shape[1:3]
+  return b, n, t, h, kh, s
+
+
 def kv_block_range(spec: MaskSpec, q_first, q_last, q_len, kv_len,
                    block_kv: int, num_kv_blocks: int):
   """KV blocks that rows ``[q_first, q_last]`` may see, and those all see.
@@ -77,6 +87,32 @@ def q_block_range(spec: MaskSpec, k_first, k_last, q_len, kv_len,
     full_hi = jnp.minimum(full_hi, k_first - offset + left + 1)
   return _block_range(lo, full_lo, full_hi, hi, k_first < kv_len, block_q,
                       num_q_blocks)
+
+
+def _masked_only(ranges, partial):
+  """No unmasked block when ``partial``: the tile straddles a length (its
+  padding rows or keys must be masked) or a mask/bias array applies."""
+  lo, full_lo, full_hi, hi = ranges
+  full_hi = jnp.where(partial, lo, full_hi)
+  return lo, jnp.minimum(full_lo, full_hi), full_hi, hi
+
+
+def key_blocks(spec: MaskSpec, q_first, rows: int, q_len, kv_len,
+               block_k: int, num_blocks: int, all_masked: bool):
+  """Key blocks seen by query rows [q_first, q_first + rows)."""
+  q_last = jnp.minimum(q_first + rows, q_len) - 1
+  return _masked_only(
+      kv_block_range(spec, q_first, q_last, q_len, kv_len, block_k,
+                     num_blocks), (q_first + rows > q_len) | all_masked)
+
+
+def query_blocks(spec: MaskSpec, k_first, cols: int, q_len, kv_len,
+                 block_q: int, num_blocks: int, all_masked: bool):
+  """Query blocks that see keys [k_first, k_first + cols)."""
+  k_last = jnp.minimum(k_first + cols, kv_len) - 1
+  return _masked_only(
+      q_block_range(spec, k_first, k_last, q_len, kv_len, block_q,
+                    num_blocks), (k_first + cols > kv_len) | all_masked)
 
 
 def _block_range(lo, full_lo, full_hi, hi, any_seen, block: int,

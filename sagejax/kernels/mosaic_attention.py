@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sagejax import quant
-from sagejax.kernels._common import kv_block_range
+from sagejax.kernels._common import kv_block_range, layout_dims
 from sagejax.masks import MaskSpec
 
 _LOG2_P_SCALE = math.log2(quant.P_SCALE)
@@ -84,16 +84,23 @@ class MosaicTiling:
     if not 2 <= self.num_stages <= 6:
       raise ValueError(f"MosaicTiling.num_stages must be in 2..6, got "
                        f"{self.num_stages}.")
-    regs = (self.consumer_registers, self.producer_registers)
-    if any(r % 8 or not 24 <= r <= 256 for r in regs):
-      raise ValueError("MosaicTiling register counts must be multiples of 8 "
-                       f"in 24..256, got {regs}.")
-    # 65536 registers per SM, 128 threads per warpgroup: two consumers and
-    # the producer must fit, or setmaxnreg waits forever.
-    if 2 * self.consumer_registers + self.producer_registers > 512:
-      raise ValueError(
-          "MosaicTiling: 2 * consumer_registers + producer_registers must be "
-          f"<= 512 (the register file), got {regs}; lower consumer_registers.")
+    check_registers("MosaicTiling", self.consumer_registers,
+                    self.producer_registers)
+
+
+def check_registers(owner: str, consumer: int, producer: int) -> None:
+  """Raises unless two consumer warpgroups of ``consumer`` registers per
+  thread and a producer of ``producer`` fit the register file."""
+  regs = (consumer, producer)
+  if any(r % 8 or not 24 <= r <= 256 for r in regs):
+    raise ValueError(f"{owner} register counts must be multiples of 8 in "
+                     f"24..256, got {regs}.")
+  # 65536 registers per SM, 128 threads per warpgroup: two consumers and the
+  # producer must fit, or setmaxnreg waits forever.
+  if 2 * consumer + producer > 512:
+    raise ValueError(
+        f"{owner}: 2 * consumer_registers + producer_registers must be <= "
+        f"512 (the register file), got {regs}; lower consumer_registers.")
 
 
 def pv_key_order(n: int) -> np.ndarray:
@@ -112,7 +119,7 @@ def pv_key_order(n: int) -> np.ndarray:
   return keys.transpose(0, 2, 1, 3).reshape(n)
 
 
-def _load(ref, layout) -> jax.Array:
+def load_all(ref, layout) -> jax.Array:
   """``plgpu.load`` of a whole ref (JAX 0.10 needs the index; 0.11 warns)."""
   if inspect.signature(plgpu.load).parameters["idx"].default is (
       inspect.Parameter.empty):
@@ -127,7 +134,7 @@ def _swizzle(row_bytes: int) -> int:
   raise ValueError(f"rows of {row_bytes} bytes cannot be swizzled")
 
 
-def _smem(shape, dtype):
+def wgmma_smem(shape, dtype):
   """A shared-memory tile with the tiling/swizzle a wgmma operand needs."""
   itemsize = jnp.dtype(dtype).itemsize
   swizzle = _swizzle(shape[-1] * itemsize)
@@ -167,21 +174,32 @@ def _as_pv_operand(p8: jax.Array) -> jax.Array:
   return relabel(p8)
 
 
+def tile_rows(ref, layout: str, batch, head, start, size: int):
+  """The ``[size, H]`` rows ``[start, start + size)`` of one head of a
+  ``[B, T, N, H]`` (``"BTNH"``) or ``[B, N, T, H]`` (``"BNTH"``) ref."""
+  if layout == "BTNH":
+    return ref.at[batch, pl.ds(start, size), head]
+  return ref.at[batch, head, pl.ds(start, size)]
+
+
 def attention_forward(
-    q: jax.Array, q_scale: jax.Array, k: jax.Array, k_scale: jax.Array,
-    v: jax.Array, v_scale: jax.Array, v_mean: Optional[jax.Array],
-    delta_s: Optional[jax.Array], spec: MaskSpec, *, q_lengths: jax.Array,
-    kv_lengths: jax.Array, config_block_q: int = 128, out_dtype=jnp.bfloat16,
-    out_layout: str = "BNTH", pv_two_level: bool = True,
-    tiling: MosaicTiling = MosaicTiling(),
+    q: jax.Array, q_scale: jax.Array, k: jax.Array,
+    k_scale: Optional[jax.Array], v: jax.Array, v_scale: jax.Array,
+    v_mean: Optional[jax.Array], delta_s: Optional[jax.Array],
+    spec: MaskSpec, *, q_lengths: jax.Array, kv_lengths: jax.Array,
+    config_block_q: int = 128, out_dtype=jnp.bfloat16,
+    out_layout: str = "BNTH", in_layout: str = "BNTH",
+    pv_two_level: bool = True, tiling: MosaicTiling = MosaicTiling(),
 ) -> tuple[jax.Array, jax.Array]:
-  """Runs the Mosaic GPU forward on quantized inputs.
+  """Runs the Mosaic GPU forward on quantized (or 16-bit) inputs.
 
   Args:
     q: int8 ``[B, N, T_pad, H]``; ``T_pad`` a multiple of ``2 * block_q``.
+      Or 16-bit, with ``k`` of the same dtype (Q·Kᵀ on the 16-bit tensor
+      cores: the backward's exact statistics).
     q_scale: f32 ``[B, N, T_pad]`` (includes ``sm_scale·log2 e``).
     k: int8 ``[B, K, S_pad, H]``; ``S_pad`` a multiple of ``block_kv``.
-    k_scale: f32 ``[B, K, S_pad]``.
+    k_scale: f32 ``[B, K, S_pad]``, or None (no per-key scale).
     v: FP8 e4m3 ``[B, K, H, S_pad]`` with keys in :func:`pv_key_order`, or
       16-bit ``[B, K, S_pad, H]`` (P·V on the 16-bit tensor cores).
     v_scale, v_mean: f32 ``[B, K, H]`` (``v_mean`` may be None).
@@ -190,22 +208,27 @@ def attention_forward(
     spec: causal/window description; ``q_len``/``kv_len`` unpadded.
     q_lengths, kv_lengths: int32 ``[B]`` valid lengths.
     out_layout: ``"BNTH"`` or ``"BTNH"`` for the ``[B, *, T_pad, *, H]`` output.
+    in_layout: the layout of ``q``, ``k`` and a 16-bit ``v`` (``"BTNH"``:
+      ``[B, T_pad, N, H]``, read in place).
     pv_two_level: each block's P·V from a fresh accumulator (``fp32+fp32``).
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
     ``[B, N, T_pad]``); rows that see no key give zeros and −inf.
   """
-  b, n, t_pad, h = q.shape
-  kh, s_pad = k.shape[1], k.shape[2]
+  b, n, t_pad, h, kh, s_pad = layout_dims(q, k, in_layout)
   g = n // kh
   fp8 = v.dtype == quant.FP8_DTYPE
+  if fp8 and in_layout != "BNTH":
+    raise ValueError("FP8 V is read as [B, K, H, S_pad]: in_layout='BNTH'.")
   bq, bkv, stages = tiling.block_q, tiling.block_kv, tiling.num_stages
   if t_pad % (2 * bq) or s_pad % bkv:
     raise ValueError(f"padded lengths T={t_pad}, S={s_pad} must be multiples "
                      f"of {2 * bq} and {bkv}.")
-  if q.dtype != jnp.int8 or k.dtype != jnp.int8:
-    raise ValueError("q and k must be int8 (INT4 is unpacked to int8 first).")
+  int8 = q.dtype == jnp.int8
+  if q.dtype != k.dtype or not (int8 or jnp.dtype(q.dtype).itemsize == 2):
+    raise ValueError("q and k must both be int8 (INT4 is unpacked to int8 "
+                     f"first) or both 16-bit, got {q.dtype} and {k.dtype}.")
   if delta_s is not None and config_block_q % (2 * bq):
     raise ValueError(f"config block_q={config_block_q} must be a multiple of "
                      f"{2 * bq} when Q is smoothed.")
@@ -216,9 +239,9 @@ def attention_forward(
   pv_dtype = v.dtype
 
   def kernel(refs, out_ref, lse_ref, scratch):
-    q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, ql_ref, kl_ref = (
-        refs[name] for name in ("q", "qs", "k", "ks", "v", "vs", "ql", "kl"))
-    vm_ref, ds_ref = refs.get("vm"), refs.get("ds")
+    q_ref, qs_ref, k_ref, v_ref, vs_ref, ql_ref, kl_ref = (
+        refs[name] for name in ("q", "qs", "k", "v", "vs", "ql", "kl"))
+    ks_ref, vm_ref, ds_ref = refs.get("ks"), refs.get("vm"), refs.get("ds")
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, ds_smem, o_smem, lse_smem,
      vs_smem, vm_smem) = scratch[0]
     q_bar, k_bar, v_bar = scratch[1]
@@ -245,7 +268,8 @@ def attention_forward(
     def _consumer():
       plgpu.set_max_registers(tiling.consumer_registers, action="increase")
       row0 = cta_first + wg * bq
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)],
+      plgpu.copy_gmem_to_smem(tile_rows(q_ref, in_layout, batch, head, row0,
+                                        bq),
                               q_smem.at[wg], q_bar.at[wg])
       plgpu.copy_gmem_to_smem(qs_ref.at[batch, head, pl.ds(row0, bq)],
                               qs_smem.at[wg], q_bar.at[wg])
@@ -255,7 +279,7 @@ def attention_forward(
         plgpu.copy_gmem_to_smem(vm_ref.at[batch, kv_head], vm_smem.at[wg],
                                 q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
-      qs = _load(qs_smem.at[wg], row_layout)
+      qs = load_all(qs_smem.at[wg], row_layout)
       inv_qs = 1.0 / qs if ds_ref is not None else None
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                             row_layout)
@@ -279,12 +303,14 @@ def attention_forward(
           schedule()
           return acc_ref[...]
 
-        s_int = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.int32))
-        ks = _load(ks_smem.at[slot], col_layout)
-        t = s_int.astype(jnp.float32) * lax.broadcast_in_dim(
-            ks, (bq, bkv), [1])
+        s_raw = pl.run_scoped(
+            qk, plgpu.ACC((bq, bkv), jnp.int32 if int8 else jnp.float32))
+        t = s_raw.astype(jnp.float32)
+        if ks_ref is not None:
+          ks = load_all(ks_smem.at[slot], col_layout)
+          t = t * lax.broadcast_in_dim(ks, (bq, bkv), [1])
         if ds_ref is not None:
-          ds = _load(ds_smem.at[slot], col_layout)
+          ds = load_all(ds_smem.at[slot], col_layout)
           t = t + (lax.broadcast_in_dim(ds, (bq, bkv), [1])
                    * lax.broadcast_in_dim(inv_qs, (bq, bkv), [0]))
         plgpu.barrier_arrive(k_free.at[slot])
@@ -347,11 +373,11 @@ def attention_forward(
                                            layout=row_layout)
       seen = (l != 0) & (rows < q_len)  # a NaN sum is seen (quant's rules)
       inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-      vs = _load(vs_smem.at[wg], col_layout)
+      vs = load_all(vs_smem.at[wg], col_layout)
       out = (acc * lax.broadcast_in_dim(inv_l, (bq, h), [0])
              * lax.broadcast_in_dim(vs, (bq, h), [1]))
       if vm_ref is not None:
-        vm = _load(vm_smem.at[wg], col_layout)
+        vm = load_all(vm_smem.at[wg], col_layout)
         out = jnp.where(lax.broadcast_in_dim(seen, (bq, h), [0]),
                         out + lax.broadcast_in_dim(vm, (bq, h), [1]), 0.0)
       o_smem.at[wg][...] = out.astype(out_dtype)
@@ -382,10 +408,12 @@ def attention_forward(
         def _():
           plgpu.barrier_wait(k_free.at[slot])
 
-        plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, keys],
-                                k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, keys],
-                                ks_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(
+            tile_rows(k_ref, in_layout, batch, kv_head, j * bkv, bkv),
+            k_smem.at[slot], k_bar.at[slot])
+        if ks_ref is not None:
+          plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, keys],
+                                  ks_smem.at[slot], k_bar.at[slot])
         if ds_ref is not None:
           plgpu.copy_gmem_to_smem(
               ds_ref.at[batch, head, lax.div(qt, jnp.int32(ds_rows)), keys],
@@ -398,7 +426,7 @@ def attention_forward(
         if fp8:
           v_src = v_ref.at[batch, kv_head, :, keys]
         else:
-          v_src = v_ref.at[batch, kv_head, keys]
+          v_src = tile_rows(v_ref, in_layout, batch, kv_head, j * bkv, bkv)
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
 
   inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
@@ -411,19 +439,19 @@ def attention_forward(
     ds_ref = refs.get("ds")
     v_tile = (stages, h, bkv) if fp8 else (stages, bkv, h)
     smem = (
-        _smem((2, bq, h), jnp.int8),
+        wgmma_smem((2, bq, h), q.dtype),
         plgpu.SMEM((2, bq), jnp.float32),
-        _smem((stages, bkv, h), jnp.int8),
-        plgpu.SMEM((stages, bkv), jnp.float32),
-        _smem(v_tile, pv_dtype),
+        wgmma_smem((stages, bkv, h), k.dtype),
+        None if "ks" not in refs else plgpu.SMEM((stages, bkv), jnp.float32),
+        wgmma_smem(v_tile, pv_dtype),
         None if ds_ref is None else plgpu.SMEM((stages, bkv), jnp.float32),
-        _smem((2, bq, h), out_dtype),
+        wgmma_smem((2, bq, h), out_dtype),
         plgpu.SMEM((2, bq), jnp.float32),
         plgpu.SMEM((2, h), jnp.float32),
         None if "vm" not in refs else plgpu.SMEM((2, h), jnp.float32),
     )
     q_arrivals = 3 if "vm" not in refs else 4
-    k_arrivals = 2 if ds_ref is None else 3
+    k_arrivals = 1 + ("ks" in refs) + (ds_ref is not None)
     pl.run_scoped(
         lambda *scratch: kernel(refs, out_ref, lse_ref, scratch),
         smem,

@@ -52,7 +52,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sagejax import quant
-from sagejax.kernels._common import (kv_block_range, q_block_range,
+from sagejax.kernels._common import (key_blocks as _key_blocks,
+                                     layout_dims,
+                                     query_blocks as _query_blocks,
                                      round_half_even, visit_blocks)
 from sagejax.masks import MaskSpec
 
@@ -108,32 +110,6 @@ class BackwardTiling:
 # ----------------------------------------------------------------------------
 # Which blocks a tile sees (kernels._common, the rule of masks.MaskSpec).
 # ----------------------------------------------------------------------------
-
-
-def _masked_only(ranges, partial):
-  """No unmasked block when ``partial``: the tile straddles a length (its
-  padding rows or keys must be masked) or a mask/bias array applies."""
-  lo, full_lo, full_hi, hi = ranges
-  full_hi = jnp.where(partial, lo, full_hi)
-  return lo, jnp.minimum(full_lo, full_hi), full_hi, hi
-
-
-def _key_blocks(spec: MaskSpec, q_first, rows: int, q_len, kv_len,
-                block_k: int, num_blocks: int, all_masked: bool):
-  """Key blocks seen by query rows [q_first, q_first + rows)."""
-  q_last = jnp.minimum(q_first + rows, q_len) - 1
-  return _masked_only(
-      kv_block_range(spec, q_first, q_last, q_len, kv_len, block_k,
-                     num_blocks), (q_first + rows > q_len) | all_masked)
-
-
-def _query_blocks(spec: MaskSpec, k_first, cols: int, q_len, kv_len,
-                  block_q: int, num_blocks: int, all_masked: bool):
-  """Query blocks that see keys [k_first, k_first + cols)."""
-  k_last = jnp.minimum(k_first + cols, kv_len) - 1
-  return _masked_only(
-      q_block_range(spec, k_first, k_last, q_len, kv_len, block_q,
-                    num_blocks), (k_first + cols > kv_len) | all_masked)
 
 
 _visit = visit_blocks   # body(j, carry, masked) over head, middle, tail
@@ -466,12 +442,7 @@ def attention_backward(
     (dq, dk, dv in the inputs' layout and dtypes, padded; dbias f32 in
     ``dbias_shape`` or None).
   """
-  if layout == "BTNH":
-    b, t_pad, n, h = q.shape
-    s_pad, kh = k.shape[1], k.shape[2]
-  else:
-    b, n, t_pad, h = q.shape
-    kh, s_pad = k.shape[1], k.shape[2]
+  b, n, t_pad, h, kh, s_pad = layout_dims(q, k, layout)
   g = n // kh
   bq, bk = tiling.block_q, tiling.block_k
   bq2, bk2 = tiling.block_q_dq, tiling.block_k_dq

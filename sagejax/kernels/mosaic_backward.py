@@ -1,0 +1,468 @@
+"""Pallas Mosaic GPU kernels: the backward of attention on Hopper (sm90).
+
+The gradient of *exact* attention (the forward's quantizers are
+straight-through), FlashAttention-2/3 style, with the conventions of
+:mod:`sagejax.kernels.triton_backward`: K arrives smoothed (K − k̄, 16-bit),
+``lse₂`` is the base-2 LSE of the smoothed logits (+inf for a row that sees
+no key) and ``δ = rowsum(dO ∘ O) − dLSE`` (0 for such a row). With
+``c = sm_scale·log2 e``:
+
+  P = exp2(c·Q·Kᵀ − lse₂),  dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ∘ (dP − δ),
+  dK = dSᵀ·Q·sm_scale,  dQ = dS·K·sm_scale.
+
+Two kernels, each with a TMA producer warpgroup feeding a shared-memory ring
+and two consumer warpgroups that own 64 rows each (one ``wgmma`` M tile) and
+run BF16/FP16 ``wgmma`` with FP32 accumulators:
+
+* dK/dV: a CTA owns 128 keys of one KV head. The producer streams, for each
+  of the G query heads of the GQA group and each query block that sees the
+  keys (the causal diagonal, window and lengths skip the rest), the Q and dO
+  tiles with their lse₂ and δ. Each consumer computes Sᵀ = K·Qᵀ and
+  dPᵀ = V·dOᵀ (one wait), then Pᵀ and dSᵀ in registers, and adds
+  Pᵀ·dO into dV and dSᵀ·Q into dK (register A operands). dK/dV are summed
+  over the group in registers: K/V are read once, never repeated.
+* dQ: a CTA owns 128 query rows of one head; the producer streams the K and
+  V tiles it sees; each consumer computes S = Q·Kᵀ and dP = dO·Vᵀ, then dS,
+  and adds dS·K into dQ. Causal CTAs run heaviest first. It runs first:
+  given only an estimate of lse₂ it also returns the exact lse₂ and δ
+  (no separate statistics pass).
+
+Every operand is read in the caller's layout (``[B, T, N, H]`` or ``[B, N,
+T, H]``) in place by TMA, and dQ, dK, dV are written in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from sagejax import quant
+from sagejax.kernels._common import (key_blocks, layout_dims, query_blocks,
+                                     visit_blocks)
+from sagejax.kernels.mosaic_attention import (check_registers, load_all,
+                                              tile_rows, wgmma_smem)
+from sagejax.masks import MaskSpec
+
+ROWS = 64  # rows per consumer warpgroup (the wgmma M tile); a CTA owns 2x
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardTiling:
+  """Tuning of the Mosaic backward kernels (not part of the math).
+
+  Attributes:
+    block_q: dK/dV kernel: query rows per pipeline step (64 or 128).
+    block_kv: dQ kernel: keys per pipeline step (64 or 128).
+    num_stages: depth of both kernels' shared-memory rings.
+    consumer_registers, producer_registers: per-thread registers of the two
+      consumer warpgroups and of the producer (``setmaxnreg``).
+  """
+
+  block_q: int = 64
+  block_kv: int = 64
+  num_stages: int = 2
+  consumer_registers: int = 240
+  producer_registers: int = 24
+
+  def __post_init__(self):
+    for field in ("block_q", "block_kv"):
+      if getattr(self, field) not in (64, 128):
+        raise ValueError(f"MosaicBackwardTiling.{field} must be 64 or 128, "
+                         f"got {getattr(self, field)!r}.")
+    if not 2 <= self.num_stages <= 4:
+      raise ValueError("MosaicBackwardTiling.num_stages must be in 2..4, got "
+                       f"{self.num_stages!r}.")
+    check_registers("MosaicBackwardTiling", self.consumer_registers,
+                    self.producer_registers)
+
+
+def attention_backward(
+    q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array,
+    lse2: jax.Array, delta: jax.Array, d_lse: jax.Array, k_mean: jax.Array,
+    spec: MaskSpec, *, sm_scale: float, layout: str, q_lengths: jax.Array,
+    kv_lengths: jax.Array,
+    tiling: MosaicBackwardTiling = MosaicBackwardTiling(),
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """dQ, dK, dV of exact attention on padded 16-bit inputs.
+
+  Args:
+    q, d_out: ``[B, T_pad, N, H]`` (``layout="BTNH"``) or ``[B, N, T_pad,
+      H]``, one 16-bit dtype; ``T_pad`` a multiple of 128 and of
+      ``tiling.block_q``; H 64 or 128.
+    k, v: ``[B, S_pad, K, H]`` or ``[B, K, S_pad, H]``; ``k`` smoothed;
+      ``S_pad`` a multiple of 128 and of ``tiling.block_kv``.
+    lse2, delta: f32 ``[B, N, T_pad]`` (see the module docstring). With
+      ``delta=None`` the dQ kernel computes both exactly, ``lse2`` serving
+      as an estimate (e.g. the quantized forward's LSE): it also sums P̂ =
+      exp2(c·Q·Kᵀ − lse2), P̂·dP and their products with K, then P = P̂ /
+      rowsum P̂ exactly (one more product than with δ given).
+    d_lse: f32 ``[B, N, T_pad]``, the LSE's cotangent (0 where a row sees
+      no key); each row of dS sums to it, so dQ gains dLSE·k̄·sm_scale.
+    k_mean: f32 ``[B, K, H]``, the k̄ taken out of ``k``.
+    spec: causal / window description (unpadded ``q_len``/``kv_len``).
+    q_lengths, kv_lengths: int32 ``[B]`` valid lengths.
+
+  Returns:
+    (dQ, dK, dV) in ``layout`` and the inputs' dtype, padded.
+  """
+  b, n, t_pad, h, kh, s_pad = layout_dims(q, k, layout)
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v, d_out)}
+  if len(dtypes) != 1 or dtypes.pop().itemsize != 2:
+    raise ValueError("q, k, v and d_out must share one 16-bit dtype, got "
+                     f"{[str(x.dtype) for x in (q, k, v, d_out)]}.")
+  if h not in (64, 128):
+    raise ValueError(f"head dim {h} must be 64 or 128 (pad it).")
+  for size, tile, what in ((t_pad, 2 * ROWS, "T_pad"),
+                           (t_pad, tiling.block_q, "T_pad"),
+                           (s_pad, 2 * ROWS, "S_pad"),
+                           (s_pad, tiling.block_kv, "S_pad")):
+    if size % tile:
+      raise ValueError(f"{what}={size} must be a multiple of {tile}.")
+  common = dict(spec=spec, c=sm_scale * quant.LOG2E, sm_scale=sm_scale,
+                layout=layout, tiling=tiling, dims=(b, n, t_pad, h, kh, s_pad))
+  lengths = (q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32))
+  dq = _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, *lengths, **common)
+  if delta is None:  # the dQ kernel made the exact statistics
+    dq, lse2, delta = dq
+  dk, dv = _dkdv(q, k, v, d_out, lse2, delta, *lengths, **common)
+  return dq, dk, dv
+
+
+def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
+          spec: MaskSpec, c: float, sm_scale: float, layout: str,
+          tiling: MosaicBackwardTiling, dims):
+  b, n, t_pad, h, kh, s_pad = dims
+  g = n // kh
+  bq, stages = tiling.block_q, tiling.num_stages
+  num_q_blocks = t_pad // bq
+  dtype = q.dtype
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, ql_ref, kl_ref,
+             dk_ref, dv_ref, scratch):
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem) = scratch[0]
+    kv_bar, in_bar, free = scratch[1]
+    kv_head = lax.axis_index("kv_heads")
+    kt = lax.axis_index("kv_tiles")
+    batch = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    q_len, kv_len = ql_ref[batch], kl_ref[batch]
+    cta_first = kt * (2 * ROWS)
+    blocks = query_blocks(spec, cta_first, 2 * ROWS, q_len, kv_len, bq,
+                          num_q_blocks, False)
+    lo, hi = blocks[0], blocks[3]
+    per_head = hi - lo
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(tiling.consumer_registers, action="increase")
+      k0 = cta_first + wg * ROWS
+      plgpu.copy_gmem_to_smem(tile_rows(k_ref, layout, batch, kv_head, k0,
+                                        ROWS), k_smem.at[wg], kv_bar.at[wg])
+      plgpu.copy_gmem_to_smem(tile_rows(v_ref, layout, batch, kv_head, k0,
+                                        ROWS), v_smem.at[wg], kv_bar.at[wg])
+      plgpu.barrier_wait(kv_bar.at[wg])
+      zeros = lambda cols: plgpu.layout_cast(
+          jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+      def step(i, carry, masked: bool, gi):
+        dk, dv = carry
+        slot = lax.rem(gi * per_head + i - lo, jnp.int32(stages))
+        plgpu.barrier_wait(in_bar.at[slot])
+
+        def scores(refs):  # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, one wait for both
+          s_ref, dp_ref = refs
+          plgpu.wgmma(s_ref, k_smem.at[wg],
+                      plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+          plgpu.wgmma(dp_ref, v_smem.at[wg],
+                      plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+
+        s_t, dp_t = pl.run_state(scores)(
+            (plgpu.ACC.init(zeros(bq)), plgpu.ACC.init(zeros(bq))))
+        lse = lax.broadcast_in_dim(load_all(lse_smem.at[slot], col_layout),
+                                   (ROWS, bq), [1])
+        dl = lax.broadcast_in_dim(load_all(dl_smem.at[slot], col_layout),
+                                  (ROWS, bq), [1])
+        p_t = jnp.exp2(s_t * c - lse)
+        if masked:
+          keys = k0 + plgpu.broadcasted_iota(jnp.int32, (ROWS, bq), 0,
+                                             layout=plgpu.Layout.WGMMA)
+          rows = i * bq + plgpu.broadcasted_iota(
+              jnp.int32, (ROWS, bq), 1, layout=plgpu.Layout.WGMMA)
+          p_t = jnp.where(spec.visible_at(rows, keys, q_len, kv_len), p_t,
+                          0.0)
+        ds_t = p_t * (dp_t - dl)
+
+        def grads(refs):  # dV += Pᵀ·dO, dK += dSᵀ·Q
+          dv_ref, dk_ref_ = refs
+          plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])
+          plgpu.wgmma(dk_ref_, ds_t.astype(dtype), q_smem.at[slot])
+
+        dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+        plgpu.barrier_arrive(free.at[slot])
+        return dk, dv
+
+      def head(gi, carry):
+        return visit_blocks(blocks, functools.partial(step, gi=gi), carry)
+
+      dk, dv = lax.fori_loop(0, g, head, (zeros(h), zeros(h)))
+      k_smem.at[wg][...] = (dk * sm_scale).astype(dk_ref.dtype)
+      v_smem.at[wg][...] = dv.astype(dv_ref.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          k_smem.at[wg], tile_rows(dk_ref, layout, batch, kv_head, k0, ROWS))
+      plgpu.copy_smem_to_gmem(
+          v_smem.at[wg], tile_rows(dv_ref, layout, batch, kv_head, k0, ROWS))
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(tiling.producer_registers, action="decrease")
+      per = jnp.maximum(per_head, 1)
+
+      @pl.loop(0, g * per_head)
+      def _(step):
+        slot = lax.rem(step, jnp.int32(stages))
+        head = kv_head * g + lax.div(step, per)
+        q0 = (lo + lax.rem(step, per)) * bq
+
+        @pl.when(step >= stages)
+        def _():
+          plgpu.barrier_wait(free.at[slot])
+
+        bar = in_bar.at[slot]
+        plgpu.copy_gmem_to_smem(tile_rows(q_ref, layout, batch, head, q0, bq),
+                                q_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, pl.ds(q0, bq)],
+                                lse_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(dl_ref.at[batch, head, pl.ds(q0, bq)],
+                                dl_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(
+            tile_rows(do_ref, layout, batch, head, q0, bq),
+            do_smem.at[slot], bar)
+
+  def entry(*refs):
+    smem = (
+        wgmma_smem((2, ROWS, h), dtype),
+        wgmma_smem((2, ROWS, h), dtype),
+        wgmma_smem((stages, bq, h), dtype),
+        wgmma_smem((stages, bq, h), dtype),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.SMEM((stages, bq), jnp.float32),
+    )
+    pl.run_scoped(
+        lambda *scratch: kernel(*refs, scratch), smem,
+        (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+         plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
+        collective_axes="wg")
+
+  return plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      grid=(kh, s_pad // (2 * ROWS), b),
+      grid_names=("kv_heads", "kv_tiles", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
+
+
+def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
+        *, spec: MaskSpec, c: float, sm_scale: float, layout: str,
+        tiling: MosaicBackwardTiling, dims):
+  """dQ; with ``delta=None`` also the exact (lse₂, δ): ``lse2`` is then an
+  estimate (e.g. the quantized forward's) that the row sums correct."""
+  b, n, t_pad, h, kh, s_pad = dims
+  g = n // kh
+  bkv, stages = tiling.block_kv, tiling.num_stages
+  num_kv_blocks = s_pad // bkv
+  num_q_tiles = t_pad // (2 * ROWS)
+  dtype = q.dtype
+  exact = delta is None
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+  def kernel(*refs):
+    if exact:
+      (q_ref, k_ref, v_ref, do_ref, lse_ref, dlse_ref, km_ref, ql_ref,
+       kl_ref, dq_ref, lse_out, dl_out, scratch) = refs
+      dl_ref = None
+    else:
+      (q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dlse_ref, km_ref,
+       ql_ref, kl_ref, dq_ref, scratch) = refs
+    (q_smem, do_smem, lse_smem, dl_smem, dlse_smem, km_smem, k_smem,
+     v_smem) = scratch[0]
+    q_bar, in_bar, free = scratch[1]
+    head = lax.axis_index("heads")
+    qt = lax.axis_index("q_tiles")
+    if spec.is_causal:  # the tiles with the most keys first
+      qt = num_q_tiles - 1 - qt
+    batch = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    kv_head = lax.div(head, jnp.int32(g))
+    q_len, kv_len = ql_ref[batch], kl_ref[batch]
+    cta_first = qt * (2 * ROWS)
+    blocks = key_blocks(spec, cta_first, 2 * ROWS, q_len, kv_len, bkv,
+                        num_kv_blocks, False)
+    lo, hi = blocks[0], blocks[3]
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(tiling.consumer_registers, action="increase")
+      row0 = cta_first + wg * ROWS
+      rows_at = pl.ds(row0, ROWS)
+      bar = q_bar.at[wg]
+      plgpu.copy_gmem_to_smem(tile_rows(q_ref, layout, batch, head, row0,
+                                        ROWS), q_smem.at[wg], bar)
+      plgpu.copy_gmem_to_smem(tile_rows(do_ref, layout, batch, head, row0,
+                                        ROWS), do_smem.at[wg], bar)
+      plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows_at],
+                              lse_smem.at[wg], bar)
+      if dl_ref is not None:
+        plgpu.copy_gmem_to_smem(dl_ref.at[batch, head, rows_at],
+                                dl_smem.at[wg], bar)
+      plgpu.copy_gmem_to_smem(dlse_ref.at[batch, head, rows_at],
+                              dlse_smem.at[wg], bar)
+      plgpu.copy_gmem_to_smem(km_ref.at[batch, kv_head], km_smem.at[wg], bar)
+      plgpu.barrier_wait(bar)
+      lse = load_all(lse_smem.at[wg], row_layout)
+      rows_of = lambda x: lax.broadcast_in_dim(x, (ROWS, bkv), [0])
+      zeros = lambda cols: plgpu.layout_cast(
+          jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA)
+      zero_rows = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32),
+                                    row_layout)
+      dl = None if exact else load_all(dl_smem.at[wg], row_layout)
+
+      def step(j, carry, masked: bool):
+        slot = lax.rem(j - lo, jnp.int32(stages))
+        plgpu.barrier_wait(in_bar.at[slot])
+
+        def scores(refs):  # S = Q·Kᵀ, dP = dO·Vᵀ, one wait for both
+          s_ref, dp_ref = refs
+          plgpu.wgmma(s_ref, q_smem.at[wg],
+                      plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          plgpu.wgmma(dp_ref, do_smem.at[wg],
+                      plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+
+        s, dp = pl.run_state(scores)(
+            (plgpu.ACC.init(zeros(bkv)), plgpu.ACC.init(zeros(bkv))))
+        p = jnp.exp2(s * c - rows_of(lse))
+        if masked:
+          rows = row0 + plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 0,
+                                               layout=plgpu.Layout.WGMMA)
+          keys = j * bkv + plgpu.broadcasted_iota(
+              jnp.int32, (ROWS, bkv), 1, layout=plgpu.Layout.WGMMA)
+          p = jnp.where(spec.visible_at(rows, keys, q_len, kv_len), p, 0.0)
+        if exact:  # Σ P̂·dP·K and Σ P̂·K, with the row sums of P̂ and P̂·dP
+          dq, pk, l, pdp_sum = carry
+          pdp = p * dp
+
+          def grad(refs):
+            dq_ref_, pk_ref = refs
+            plgpu.wgmma(dq_ref_, pdp.astype(dtype), k_smem.at[slot])
+            plgpu.wgmma(pk_ref, p.astype(dtype), k_smem.at[slot])
+
+          l = l + p.sum(axis=1)
+          pdp_sum = pdp_sum + pdp.sum(axis=1)
+          dq, pk = pl.run_state(grad)((plgpu.ACC.init(dq),
+                                       plgpu.ACC.init(pk)))
+          carry = (dq, pk, l, pdp_sum)
+        else:  # dQ += dS·K
+          ds = p * (dp - rows_of(dl))
+
+          def grad(acc_ref):
+            plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+          carry = pl.run_state(grad)(plgpu.ACC.init(carry))
+        plgpu.barrier_arrive(free.at[slot])
+        return carry
+
+      dlse = load_all(dlse_smem.at[wg], row_layout)
+      if exact:
+        dq, pk, l, pdp_sum = visit_blocks(
+            blocks, step, (zeros(h), zeros(h), zero_rows, zero_rows))
+        # P = P̂ / l exactly; δ = rowsum(P·dP) − dLSE; dQ = Σ P (dP − δ) K.
+        seen = l != 0  # a NaN sum is seen
+        inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        delta_row = jnp.where(seen, pdp_sum * inv_l - dlse, 0.0)
+        bcast = lambda x: lax.broadcast_in_dim(x, (ROWS, h), [0])
+        dq = (dq - pk * bcast(delta_row)) * bcast(inv_l)
+        lse_smem.at[wg][...] = jnp.where(
+            seen, lse + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+        dl_smem.at[wg][...] = delta_row
+      else:
+        dq = visit_blocks(blocks, step, zeros(h))
+      # Σ_j dS_ij = dLSE_i: the K mean's share of dQ.
+      dq = dq + (lax.broadcast_in_dim(dlse, (ROWS, h), [0])
+                 * lax.broadcast_in_dim(load_all(km_smem.at[wg], col_layout),
+                                        (ROWS, h), [1]))
+      q_smem.at[wg][...] = (dq * sm_scale).astype(dtype)  # Q is done with
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          q_smem.at[wg], tile_rows(dq_ref, layout, batch, head, row0, ROWS))
+      if exact:
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                lse_out.at[batch, head, rows_at])
+        plgpu.copy_smem_to_gmem(dl_smem.at[wg],
+                                dl_out.at[batch, head, rows_at])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(tiling.producer_registers, action="decrease")
+
+      @pl.loop(lo, hi)
+      def _(j):
+        slot = lax.rem(j - lo, jnp.int32(stages))
+
+        @pl.when(j - lo >= stages)
+        def _():
+          plgpu.barrier_wait(free.at[slot])
+
+        bar = in_bar.at[slot]
+        plgpu.copy_gmem_to_smem(
+            tile_rows(k_ref, layout, batch, kv_head, j * bkv, bkv),
+            k_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(
+            tile_rows(v_ref, layout, batch, kv_head, j * bkv, bkv),
+            v_smem.at[slot], bar)
+
+  def entry(*refs):
+    smem = (
+        wgmma_smem((2, ROWS, h), dtype),
+        wgmma_smem((2, ROWS, h), dtype),
+        plgpu.SMEM((2, ROWS), jnp.float32),
+        plgpu.SMEM((2, ROWS), jnp.float32),
+        plgpu.SMEM((2, ROWS), jnp.float32),
+        plgpu.SMEM((2, h), jnp.float32),
+        wgmma_smem((stages, bkv, h), dtype),
+        wgmma_smem((stages, bkv, h), dtype),
+    )
+    pl.run_scoped(
+        lambda *scratch: kernel(*refs, scratch), smem,
+        (plgpu.Barrier(num_arrivals=5 if exact else 6, num_barriers=2),
+         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
+        collective_axes="wg")
+
+  dq_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  vec_type = jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)
+  inputs = [q, k, v, d_out, lse2] + ([] if exact else [delta]) + [
+      d_lse, k_mean.astype(jnp.float32), q_lengths, kv_lengths]
+  return plgpu.kernel(
+      entry,
+      out_type=(dq_type, vec_type, vec_type) if exact else dq_type,
+      grid=(n, num_q_tiles, b),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(*inputs)
