@@ -191,6 +191,17 @@ GPU_CASES = [
 ]
 
 
+def _case_kwargs(b, t, s, kwargs):
+  """A GPU case's (layout, attention kwargs): its ``layout`` (default
+  BTNH) and, with ``lengths=True``, valid lengths a few tokens short."""
+  kwargs = dict(kwargs)
+  layout = kwargs.pop("layout", "BTNH")
+  if kwargs.pop("lengths", False):
+    kwargs["query_seq_lengths"] = jnp.full((b,), max(1, t - 5), jnp.int32)
+    kwargs["key_value_seq_lengths"] = jnp.full((b,), max(1, s - 7), jnp.int32)
+  return layout, kwargs
+
+
 def _poison(nbytes: int) -> None:
   """Fill then free device memory: an output element never written by the
   kernel then reads as NaN."""
@@ -203,11 +214,7 @@ def _poison(nbytes: int) -> None:
 @pytest.mark.parametrize("kind", ["normal", "qkv_channel_bias"])
 def test_gpu_mosaic_matches_xla_and_exact(preset, shape, kwargs, kind):
   b, t, s, n, kh, h = shape
-  kwargs = dict(kwargs)
-  layout = kwargs.pop("layout", "BTNH")
-  if kwargs.pop("lengths", False):
-    kwargs["query_seq_lengths"] = jnp.full((b,), max(1, t - 5), jnp.int32)
-    kwargs["key_value_seq_lengths"] = jnp.full((b,), max(1, s - 7), jnp.int32)
+  layout, kwargs = _case_kwargs(b, t, s, kwargs)
   q, k, v = _data(b, t, s, n, kh, h, kind=kind, layout=layout)
   run = jax.jit(lambda q, k, v, impl: sagejax.attention(
       q, k, v, config=preset, implementation=impl, layout=layout,
@@ -297,8 +304,8 @@ BWD_LOWER_CASES = [
 
 @pytest.mark.parametrize("layout,h,masks,saved", BWD_LOWER_CASES)
 def test_backward_lowers_for_cuda(layout, h, masks, saved):
-  """The statistics pass (the forward kernel in 16 bits) and the dK/dV and
-  dQ kernels lower for CUDA on the CPU."""
+  """The dK/dV and dQ kernels (and the quantized forward whose LSE they
+  correct, when none is given) lower for CUDA on the CPU."""
   q, k, v = _data(2, 200, 300, 4, 2, h, layout=layout)
   config = PRESETS["sage2-8b"].replace(
       backward_stats="saved" if saved else "recompute")
@@ -312,7 +319,7 @@ def test_backward_lowers_for_cuda(layout, h, masks, saved):
   d_lse = jnp.ones((2, 4, 200), jnp.float32)
   text = jax.jit(f).trace(q, k, v, q, d_lse).lower(
       lowering_platforms=("cuda",)).as_text()
-  # dK/dV, dQ (and the 16-bit statistics forward when recomputing)
+  # dK/dV, dQ (and the forward, for its LSE, when recomputing)
   assert text.count("mosaic_gpu_v2") - (1 if saved else 0) >= (
       2 if saved else 3), text.count("mosaic_gpu_v2")
 
@@ -363,11 +370,7 @@ def test_gpu_mosaic_backward_matches_exact(shape, kwargs, saved, kind):
   backward) vs the exact FP32 "xla" backward; outputs poisoned; with the
   LSE's cotangent too."""
   b, t, s, n, kh, h = shape
-  kwargs = dict(kwargs)
-  layout = kwargs.pop("layout", "BTNH")
-  if kwargs.pop("lengths", False):
-    kwargs["query_seq_lengths"] = jnp.full((b,), max(1, t - 5), jnp.int32)
-    kwargs["key_value_seq_lengths"] = jnp.full((b,), max(1, s - 7), jnp.int32)
+  layout, kwargs = _case_kwargs(b, t, s, kwargs)
   q, k, v = _data(b, t, s, n, kh, h, kind=kind, layout=layout)
   do = jax.random.normal(jax.random.PRNGKey(next(_seed)), q.shape, q.dtype)
   config = PRESETS["sage2-8b"].replace(

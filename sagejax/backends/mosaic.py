@@ -12,8 +12,9 @@ above 128, a negative ``scale``.
 
 Its backward (:mod:`sagejax.kernels.mosaic_backward`, 16-bit ``wgmma``)
 computes the exact softmax statistics in its dQ kernel from the forward's
-saved LSE (``backward_stats="recompute"``, the default), or takes δ from the
-saved output too (``"saved"``: one product fewer, the quantized forward's
+saved LSE as an estimate (``backward_stats="recompute"``, the default; the
+forward is run for it when no LSE is given), or takes δ from the saved
+output too (``"saved"``: one product fewer, the quantized forward's
 error in the gradient); calls it does not serve (``backward_unsupported``:
 FP32 inputs, the 8-bit backward) take the ``"pallas"`` backward kernels.
 """
@@ -29,8 +30,8 @@ import jax.numpy as jnp
 from sagejax import quant
 from sagejax._inputs import ParsedCall, to_canonical
 from sagejax.backends._device import gpu_compute_capability
-from sagejax.backends.pallas_triton import (Prepared, _pad_axis,
-                                            quantize_inputs)
+from sagejax.backends.pallas_triton import (Prepared, pad_axis,
+                                            quantize_inputs, smoothed)
 from sagejax.config import SageConfig
 from sagejax.kernels import mosaic_backward
 from sagejax.kernels._common import next_pow2
@@ -160,57 +161,35 @@ class _MosaicBackend:
     t_ax = 1 if layout == "BTNH" else 2
     f32 = jnp.float32
 
-    def pad(x, size):
-      return _pad_axis(_pad_axis(x, 3, hp), t_ax, size)
-
     def vec(x, value=0.0):  # [B, N, T] -> [B, N, T_pad]
-      return _pad_axis(x.astype(f32), 2, t_pad, value)
-
-    def canonical_rows(x):  # [B, T_pad, N] (BTNH) -> [B, N, T_pad]
-      return jnp.swapaxes(x, 1, 2) if layout == "BTNH" else x
+      return pad_axis(x.astype(f32), 2, t_pad, value)
 
     q_lengths = quant.valid_lengths(call.q_lengths, b, t)
     kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
-    # K smoothed (K − k̄) in its dtype: dQ never multiplies a large mean.
-    k_mean = quant.token_mean(to_canonical(call.k, layout), kv_lengths)
-    k_mean = _pad_axis(k_mean, 2, hp)
-    k = pad(call.k, s_pad)
-    k_bcast = k_mean[:, None] if layout == "BTNH" else k_mean[:, :, None]
-    kc = (k.astype(f32) - k_bcast).astype(k.dtype)
-    # V smoothed too: dP − δ is unchanged, their rounding is not that of a
-    # large V mean.
-    v_mean = _pad_axis(quant.token_mean(to_canonical(call.v, layout),
-                                        kv_lengths), 2, hp)
-    v_bcast = v_mean[:, None] if layout == "BTNH" else v_mean[:, :, None]
-    v = pad(call.v, s_pad)
-    vc = (v.astype(f32) - v_bcast).astype(v.dtype)
-    q, do = pad(call.q, t_pad), pad(d_out, t_pad)
+    # K smoothed: dQ never multiplies a large mean. V smoothed: dP − δ is
+    # unchanged, but the dQ kernel's sums do not cancel a large V mean.
+    kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
+    vc, v_mean = smoothed(call.v, kv_lengths, layout, hp, s_pad)
+    pad = lambda x: pad_axis(pad_axis(x, 3, hp), t_ax, t_pad)
+    q, do = pad(call.q), pad(d_out)
     out, lse = (None, None) if saved is None else saved
-    if lse is not None:  # the LSE of the smoothed logits: minus q·k̄
-      shift = quant.lse_shift(
-          quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
-          k_mean[..., :h], call.sm_scale)
-      lse = vec(lse - shift, -jnp.inf)
-    if out is not None:
-      out = pad(out.astype(q.dtype), t_pad)
-    elif lse is None:  # exact statistics: the forward kernel in 16 bits
-      out, lse = attention_forward(
-          q, jnp.full((b, n, t_pad), call.sm_scale * quant.LOG2E, f32), kc,
-          None, vc, jnp.ones((b, kh, hp), f32), None, None, call.spec,
-          q_lengths=q_lengths, kv_lengths=kv_lengths, out_dtype=q.dtype,
-          out_layout=layout, in_layout=layout, tiling=MosaicTiling(
-              block_kv=128, num_stages=3 if hp <= 64 else 2))
-      v_mean = jnp.zeros_like(v_mean)  # its output is of smoothed V
+    if lse is None:  # the estimate jax.grad keeps: the quantized forward's
+      lse = self.forward(call, config)[1]
+    # The LSE of the smoothed logits: minus the row shift q·k̄.
+    lse = vec(lse - quant.lse_shift(
+        quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
+        k_mean[..., :h], call.sm_scale), -jnp.inf)
     seen = lse != -jnp.inf  # a NaN LSE stays NaN (and reaches the grads)
     lse2 = jnp.where(seen, lse * quant.LOG2E, jnp.inf)
     dl = jnp.zeros_like(lse2) if d_lse is None else jnp.where(
         seen, vec(d_lse), 0.0)
-    delta = None  # LSE only: the dQ kernel makes the exact statistics
-    if out is not None:  # δ = rowsum(dO ∘ (O − v̄)) − dLSE
+    delta = None  # the dQ kernel makes the exact statistics
+    if out is not None:  # saved: δ = rowsum(dO ∘ (O − v̄)) − dLSE
       v_rows = jnp.repeat(v_mean, n // kh, axis=1)
       v_rows = v_rows[:, None] if layout == "BTNH" else v_rows[:, :, None]
-      delta = canonical_rows(jnp.sum(
-          do.astype(f32) * (out.astype(f32) - v_rows), -1))
+      delta = jnp.sum(do.astype(f32) * (pad(out).astype(f32) - v_rows), -1)
+      if layout == "BTNH":
+        delta = jnp.swapaxes(delta, 1, 2)
       delta = jnp.where(seen, delta - dl, 0.0)
     dq, dk, dv = mosaic_backward.attention_backward(
         q, kc, vc, do, lse2, delta, dl, k_mean, call.spec,

@@ -68,12 +68,25 @@ def _fit_tiling(tiling: BackwardTiling, t: int, s: int, floor: int
       block_k_dq=max(floor, min(tiling.block_k_dq, tk)))
 
 
-def _pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+  """``x`` padded with ``value`` along ``axis`` to ``size``."""
   if x.shape[axis] == size:
     return x
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, size - x.shape[axis])
   return jnp.pad(x, widths, constant_values=value)
+
+
+def smoothed(x: jax.Array, lengths: jax.Array, layout: str, head_dim: int,
+             size: int) -> tuple[jax.Array, jax.Array]:
+  """K or V minus its mean over the valid tokens, in its dtype and layout,
+  padded to ``head_dim`` and ``size`` tokens; and the f32 mean ``[B, K,
+  head_dim]``."""
+  mean = pad_axis(quant.token_mean(to_canonical(x, layout), lengths), 2,
+                  head_dim)
+  x = pad_axis(pad_axis(x, 3, head_dim), 1 if layout == "BTNH" else 2, size)
+  bcast = mean[:, None] if layout == "BTNH" else mean[:, :, None]
+  return (x.astype(jnp.float32) - bcast).astype(x.dtype), mean
 
 
 def _pairwise(x: Optional[jax.Array], t_pad: int, s_pad: int, dtype
@@ -87,7 +100,7 @@ def _pairwise(x: Optional[jax.Array], t_pad: int, s_pad: int, dtype
   b, n, t, s = x.shape
   x = jnp.broadcast_to(x, (b, n, t_pad if t == 1 else t,
                            s_pad if s == 1 else s))
-  x = _pad_axis(_pad_axis(x, 2, t_pad), 3, s_pad)
+  x = pad_axis(pad_axis(x, 2, t_pad), 3, s_pad)
   return x if dtype is None else x.astype(dtype)
 
 
@@ -123,9 +136,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   t_ax, s_ax = (1, 1) if layout == "BTNH" else (2, 2)
   t_pad = -(-t // t_multiple) * t_multiple
   s_pad = -(-s // s_multiple) * s_multiple
-  q = _pad_axis(_pad_axis(call.q, 3, head_dim), t_ax, t_pad)
-  k = _pad_axis(_pad_axis(call.k, 3, head_dim), s_ax, s_pad)
-  v = _pad_axis(_pad_axis(call.v, 3, head_dim), s_ax, s_pad)
+  q = pad_axis(pad_axis(call.q, 3, head_dim), t_ax, t_pad)
+  k = pad_axis(pad_axis(call.k, 3, head_dim), s_ax, s_pad)
+  v = pad_axis(pad_axis(call.v, 3, head_dim), s_ax, s_pad)
   q_lengths = quant.valid_lengths(call.q_lengths, b, t)
   kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
 
@@ -269,7 +282,7 @@ class _PallasTritonBackend:
     cap, shift = call.logits_soft_cap, prepared.qkv.lse_shift
     row_shift = None
     if cap is not None and shift is not None:  # added before the cap
-      row_shift = _pad_axis(shift, 2, prepared.qkv.q.shape[2])
+      row_shift = pad_axis(shift, 2, prepared.qkv.q.shape[2])
     out, lse = triton_attention.attention_forward(
         prepared.qkv, call.spec, q_lengths=prepared.q_lengths,
         kv_lengths=prepared.kv_lengths, config_block_q=config.block_q,
@@ -320,29 +333,25 @@ class _PallasTritonBackend:
     t_ax = 1 if layout == "BTNH" else 2
 
     def pad(x, size):
-      return _pad_axis(_pad_axis(x, 3, hp), t_ax, size)
+      return pad_axis(pad_axis(x, 3, hp), t_ax, size)
 
     q_lengths = quant.valid_lengths(call.q_lengths, b, t)
     kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
     # K smoothed (K − k̄) in its dtype; lse₂ of the smoothed logits.
-    k_mean = quant.token_mean(to_canonical(call.k, layout), kv_lengths)
+    kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
     shift = quant.lse_shift(
         quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
-        k_mean, call.sm_scale)
-    k_mean = _pad_axis(k_mean, 2, hp)
-    k_bcast = k_mean[:, None] if layout == "BTNH" else k_mean[:, :, None]
-    k = pad(call.k, s_pad)
-    kc = (k.astype(jnp.float32) - k_bcast).astype(k.dtype)
+        k_mean[..., :h], call.sm_scale)
     q, v, do = pad(call.q, t_pad), pad(call.v, s_pad), pad(d_out, t_pad)
-    vec = lambda x, value=0.0: _pad_axis(x.astype(jnp.float32), 2, t_pad,
-                                          value)
+    vec = lambda x, value=0.0: pad_axis(x.astype(jnp.float32), 2, t_pad,
+                                         value)
     out = lse = None
     if saved is not None and saved[0] is not None:  # else recompute
       out, lse = pad(saved[0].astype(q.dtype), t_pad), vec(saved[1], -jnp.inf)
     int8_ops = None
     if int8:
-      int8_ops = self._int8_operands(q, k, do, k_mean, q_lengths, kv_lengths,
-                                     layout, tiling)
+      int8_ops = self._int8_operands(q, pad(call.k, s_pad), do, k_mean,
+                                     q_lengths, kv_lengths, layout, tiling)
     dbias_shape = None
     if call.bias is not None:
       bb, bn, bt, bs = call.bias.shape

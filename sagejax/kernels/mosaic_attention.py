@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sagejax import quant
-from sagejax.kernels._common import kv_block_range, layout_dims
+from sagejax.kernels._common import kv_block_range
 from sagejax.masks import MaskSpec
 
 _LOG2_P_SCALE = math.log2(quant.P_SCALE)
@@ -183,23 +183,20 @@ def tile_rows(ref, layout: str, batch, head, start, size: int):
 
 
 def attention_forward(
-    q: jax.Array, q_scale: jax.Array, k: jax.Array,
-    k_scale: Optional[jax.Array], v: jax.Array, v_scale: jax.Array,
-    v_mean: Optional[jax.Array], delta_s: Optional[jax.Array],
-    spec: MaskSpec, *, q_lengths: jax.Array, kv_lengths: jax.Array,
-    config_block_q: int = 128, out_dtype=jnp.bfloat16,
-    out_layout: str = "BNTH", in_layout: str = "BNTH",
-    pv_two_level: bool = True, tiling: MosaicTiling = MosaicTiling(),
+    q: jax.Array, q_scale: jax.Array, k: jax.Array, k_scale: jax.Array,
+    v: jax.Array, v_scale: jax.Array, v_mean: Optional[jax.Array],
+    delta_s: Optional[jax.Array], spec: MaskSpec, *, q_lengths: jax.Array,
+    kv_lengths: jax.Array, config_block_q: int = 128, out_dtype=jnp.bfloat16,
+    out_layout: str = "BNTH", pv_two_level: bool = True,
+    tiling: MosaicTiling = MosaicTiling(),
 ) -> tuple[jax.Array, jax.Array]:
-  """Runs the Mosaic GPU forward on quantized (or 16-bit) inputs.
+  """Runs the Mosaic GPU forward on quantized inputs.
 
   Args:
     q: int8 ``[B, N, T_pad, H]``; ``T_pad`` a multiple of ``2 * block_q``.
-      Or 16-bit, with ``k`` of the same dtype (Q·Kᵀ on the 16-bit tensor
-      cores: the backward's exact statistics).
     q_scale: f32 ``[B, N, T_pad]`` (includes ``sm_scale·log2 e``).
     k: int8 ``[B, K, S_pad, H]``; ``S_pad`` a multiple of ``block_kv``.
-    k_scale: f32 ``[B, K, S_pad]``, or None (no per-key scale).
+    k_scale: f32 ``[B, K, S_pad]``.
     v: FP8 e4m3 ``[B, K, H, S_pad]`` with keys in :func:`pv_key_order`, or
       16-bit ``[B, K, S_pad, H]`` (P·V on the 16-bit tensor cores).
     v_scale, v_mean: f32 ``[B, K, H]`` (``v_mean`` may be None).
@@ -208,27 +205,22 @@ def attention_forward(
     spec: causal/window description; ``q_len``/``kv_len`` unpadded.
     q_lengths, kv_lengths: int32 ``[B]`` valid lengths.
     out_layout: ``"BNTH"`` or ``"BTNH"`` for the ``[B, *, T_pad, *, H]`` output.
-    in_layout: the layout of ``q``, ``k`` and a 16-bit ``v`` (``"BTNH"``:
-      ``[B, T_pad, N, H]``, read in place).
     pv_two_level: each block's P·V from a fresh accumulator (``fp32+fp32``).
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
     ``[B, N, T_pad]``); rows that see no key give zeros and −inf.
   """
-  b, n, t_pad, h, kh, s_pad = layout_dims(q, k, in_layout)
+  b, n, t_pad, h = q.shape
+  kh, s_pad = k.shape[1], k.shape[2]
   g = n // kh
   fp8 = v.dtype == quant.FP8_DTYPE
-  if fp8 and in_layout != "BNTH":
-    raise ValueError("FP8 V is read as [B, K, H, S_pad]: in_layout='BNTH'.")
   bq, bkv, stages = tiling.block_q, tiling.block_kv, tiling.num_stages
   if t_pad % (2 * bq) or s_pad % bkv:
     raise ValueError(f"padded lengths T={t_pad}, S={s_pad} must be multiples "
                      f"of {2 * bq} and {bkv}.")
-  int8 = q.dtype == jnp.int8
-  if q.dtype != k.dtype or not (int8 or jnp.dtype(q.dtype).itemsize == 2):
-    raise ValueError("q and k must both be int8 (INT4 is unpacked to int8 "
-                     f"first) or both 16-bit, got {q.dtype} and {k.dtype}.")
+  if q.dtype != jnp.int8 or k.dtype != jnp.int8:
+    raise ValueError("q and k must be int8 (INT4 is unpacked to int8 first).")
   if delta_s is not None and config_block_q % (2 * bq):
     raise ValueError(f"config block_q={config_block_q} must be a multiple of "
                      f"{2 * bq} when Q is smoothed.")
@@ -239,9 +231,9 @@ def attention_forward(
   pv_dtype = v.dtype
 
   def kernel(refs, out_ref, lse_ref, scratch):
-    q_ref, qs_ref, k_ref, v_ref, vs_ref, ql_ref, kl_ref = (
-        refs[name] for name in ("q", "qs", "k", "v", "vs", "ql", "kl"))
-    ks_ref, vm_ref, ds_ref = refs.get("ks"), refs.get("vm"), refs.get("ds")
+    q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, ql_ref, kl_ref = (
+        refs[name] for name in ("q", "qs", "k", "ks", "v", "vs", "ql", "kl"))
+    vm_ref, ds_ref = refs.get("vm"), refs.get("ds")
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, ds_smem, o_smem, lse_smem,
      vs_smem, vm_smem) = scratch[0]
     q_bar, k_bar, v_bar = scratch[1]
@@ -268,8 +260,7 @@ def attention_forward(
     def _consumer():
       plgpu.set_max_registers(tiling.consumer_registers, action="increase")
       row0 = cta_first + wg * bq
-      plgpu.copy_gmem_to_smem(tile_rows(q_ref, in_layout, batch, head, row0,
-                                        bq),
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)],
                               q_smem.at[wg], q_bar.at[wg])
       plgpu.copy_gmem_to_smem(qs_ref.at[batch, head, pl.ds(row0, bq)],
                               qs_smem.at[wg], q_bar.at[wg])
@@ -303,12 +294,10 @@ def attention_forward(
           schedule()
           return acc_ref[...]
 
-        s_raw = pl.run_scoped(
-            qk, plgpu.ACC((bq, bkv), jnp.int32 if int8 else jnp.float32))
-        t = s_raw.astype(jnp.float32)
-        if ks_ref is not None:
-          ks = load_all(ks_smem.at[slot], col_layout)
-          t = t * lax.broadcast_in_dim(ks, (bq, bkv), [1])
+        s_int = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.int32))
+        ks = load_all(ks_smem.at[slot], col_layout)
+        t = s_int.astype(jnp.float32) * lax.broadcast_in_dim(
+            ks, (bq, bkv), [1])
         if ds_ref is not None:
           ds = load_all(ds_smem.at[slot], col_layout)
           t = t + (lax.broadcast_in_dim(ds, (bq, bkv), [1])
@@ -386,11 +375,8 @@ def attention_forward(
           seen, (m + jnp.log2(jnp.where(seen, l, 1.0)) - p_shift) * quant.LN2,
           -jnp.inf)
       plgpu.commit_smem()
-      if out_layout == "BTNH":
-        dst = out_ref.at[batch, pl.ds(row0, bq), head]
-      else:
-        dst = out_ref.at[batch, head, pl.ds(row0, bq)]
-      plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
+      plgpu.copy_smem_to_gmem(
+          o_smem.at[wg], tile_rows(out_ref, out_layout, batch, head, row0, bq))
       plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                               lse_ref.at[batch, head, pl.ds(row0, bq)])
       plgpu.wait_smem_to_gmem(0)
@@ -408,12 +394,10 @@ def attention_forward(
         def _():
           plgpu.barrier_wait(k_free.at[slot])
 
-        plgpu.copy_gmem_to_smem(
-            tile_rows(k_ref, in_layout, batch, kv_head, j * bkv, bkv),
-            k_smem.at[slot], k_bar.at[slot])
-        if ks_ref is not None:
-          plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, keys],
-                                  ks_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, keys],
+                                k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, keys],
+                                ks_smem.at[slot], k_bar.at[slot])
         if ds_ref is not None:
           plgpu.copy_gmem_to_smem(
               ds_ref.at[batch, head, lax.div(qt, jnp.int32(ds_rows)), keys],
@@ -426,7 +410,7 @@ def attention_forward(
         if fp8:
           v_src = v_ref.at[batch, kv_head, :, keys]
         else:
-          v_src = tile_rows(v_ref, in_layout, batch, kv_head, j * bkv, bkv)
+          v_src = v_ref.at[batch, kv_head, keys]
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
 
   inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
@@ -439,10 +423,10 @@ def attention_forward(
     ds_ref = refs.get("ds")
     v_tile = (stages, h, bkv) if fp8 else (stages, bkv, h)
     smem = (
-        wgmma_smem((2, bq, h), q.dtype),
+        wgmma_smem((2, bq, h), jnp.int8),
         plgpu.SMEM((2, bq), jnp.float32),
-        wgmma_smem((stages, bkv, h), k.dtype),
-        None if "ks" not in refs else plgpu.SMEM((stages, bkv), jnp.float32),
+        wgmma_smem((stages, bkv, h), jnp.int8),
+        plgpu.SMEM((stages, bkv), jnp.float32),
         wgmma_smem(v_tile, pv_dtype),
         None if ds_ref is None else plgpu.SMEM((stages, bkv), jnp.float32),
         wgmma_smem((2, bq, h), out_dtype),
@@ -451,7 +435,7 @@ def attention_forward(
         None if "vm" not in refs else plgpu.SMEM((2, h), jnp.float32),
     )
     q_arrivals = 3 if "vm" not in refs else 4
-    k_arrivals = 1 + ("ks" in refs) + (ds_ref is not None)
+    k_arrivals = 2 if ds_ref is None else 3
     pl.run_scoped(
         lambda *scratch: kernel(refs, out_ref, lse_ref, scratch),
         smem,

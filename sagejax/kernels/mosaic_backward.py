@@ -82,6 +82,36 @@ class MosaicBackwardTiling:
                     self.producer_registers)
 
 
+def _zeros(*shape: int, layout=plgpu.Layout.WGMMA) -> jax.Array:
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
+
+
+def _two_products(first, second, cols: int):
+  """``(a·b, c·d)`` for ``first=(a, b)``, ``second=(c, d)``: two ``wgmma``
+  into fresh f32 ``[ROWS, cols]`` accumulators, waited on together."""
+  zeros = _zeros(ROWS, cols)
+
+  def products(refs):
+    plgpu.wgmma(refs[0], *first)
+    plgpu.wgmma(refs[1], *second)
+
+  return pl.run_state(products)((plgpu.ACC.init(zeros),
+                                 plgpu.ACC.init(zeros)))
+
+
+def _visible(spec: MaskSpec, q_first, k_first, shape, q_len, kv_len, *,
+             keys_on_rows: bool) -> jax.Array:
+  """The mask rule on a ``shape`` tile (WGMMA layout) whose query positions
+  start at ``q_first`` and key positions at ``k_first``; keys along the rows
+  (a transposed tile) or along the columns."""
+  def positions(first, axis):
+    return first + plgpu.broadcasted_iota(jnp.int32, shape, axis,
+                                          layout=plgpu.Layout.WGMMA)
+  keys = positions(k_first, 0 if keys_on_rows else 1)
+  queries = positions(q_first, 1 if keys_on_rows else 0)
+  return spec.visible_at(queries, keys, q_len, kv_len)
+
+
 def attention_backward(
     q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array,
     lse2: jax.Array, delta: jax.Array, d_lse: jax.Array, k_mean: jax.Array,
@@ -168,35 +198,24 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
       plgpu.copy_gmem_to_smem(tile_rows(v_ref, layout, batch, kv_head, k0,
                                         ROWS), v_smem.at[wg], kv_bar.at[wg])
       plgpu.barrier_wait(kv_bar.at[wg])
-      zeros = lambda cols: plgpu.layout_cast(
-          jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA)
 
       def step(i, carry, masked: bool, gi):
         dk, dv = carry
         slot = lax.rem(gi * per_head + i - lo, jnp.int32(stages))
         plgpu.barrier_wait(in_bar.at[slot])
 
-        def scores(refs):  # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, one wait for both
-          s_ref, dp_ref = refs
-          plgpu.wgmma(s_ref, k_smem.at[wg],
-                      plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-          plgpu.wgmma(dp_ref, v_smem.at[wg],
-                      plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-
-        s_t, dp_t = pl.run_state(scores)(
-            (plgpu.ACC.init(zeros(bq)), plgpu.ACC.init(zeros(bq))))
+        s_t, dp_t = _two_products(  # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
+            (k_smem.at[wg], plgpu.transpose_ref(q_smem.at[slot], (1, 0))),
+            (v_smem.at[wg], plgpu.transpose_ref(do_smem.at[slot], (1, 0))),
+            bq)
         lse = lax.broadcast_in_dim(load_all(lse_smem.at[slot], col_layout),
                                    (ROWS, bq), [1])
         dl = lax.broadcast_in_dim(load_all(dl_smem.at[slot], col_layout),
                                   (ROWS, bq), [1])
         p_t = jnp.exp2(s_t * c - lse)
         if masked:
-          keys = k0 + plgpu.broadcasted_iota(jnp.int32, (ROWS, bq), 0,
-                                             layout=plgpu.Layout.WGMMA)
-          rows = i * bq + plgpu.broadcasted_iota(
-              jnp.int32, (ROWS, bq), 1, layout=plgpu.Layout.WGMMA)
-          p_t = jnp.where(spec.visible_at(rows, keys, q_len, kv_len), p_t,
-                          0.0)
+          p_t = jnp.where(_visible(spec, i * bq, k0, (ROWS, bq), q_len,
+                                   kv_len, keys_on_rows=True), p_t, 0.0)
         ds_t = p_t * (dp_t - dl)
 
         def grads(refs):  # dV += Pᵀ·dO, dK += dSᵀ·Q
@@ -211,7 +230,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
       def head(gi, carry):
         return visit_blocks(blocks, functools.partial(step, gi=gi), carry)
 
-      dk, dv = lax.fori_loop(0, g, head, (zeros(h), zeros(h)))
+      dk, dv = lax.fori_loop(0, g, head, (_zeros(ROWS, h), _zeros(ROWS, h)))
       k_smem.at[wg][...] = (dk * sm_scale).astype(dk_ref.dtype)
       v_smem.at[wg][...] = dv.astype(dv_ref.dtype)
       plgpu.commit_smem()
@@ -335,32 +354,21 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
       plgpu.barrier_wait(bar)
       lse = load_all(lse_smem.at[wg], row_layout)
       rows_of = lambda x: lax.broadcast_in_dim(x, (ROWS, bkv), [0])
-      zeros = lambda cols: plgpu.layout_cast(
-          jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA)
-      zero_rows = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32),
-                                    row_layout)
+      zero_rows = _zeros(ROWS, layout=row_layout)
       dl = None if exact else load_all(dl_smem.at[wg], row_layout)
 
       def step(j, carry, masked: bool):
         slot = lax.rem(j - lo, jnp.int32(stages))
         plgpu.barrier_wait(in_bar.at[slot])
 
-        def scores(refs):  # S = Q·Kᵀ, dP = dO·Vᵀ, one wait for both
-          s_ref, dp_ref = refs
-          plgpu.wgmma(s_ref, q_smem.at[wg],
-                      plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-          plgpu.wgmma(dp_ref, do_smem.at[wg],
-                      plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
-
-        s, dp = pl.run_state(scores)(
-            (plgpu.ACC.init(zeros(bkv)), plgpu.ACC.init(zeros(bkv))))
+        s, dp = _two_products(  # S = Q·Kᵀ, dP = dO·Vᵀ
+            (q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0))),
+            (do_smem.at[wg], plgpu.transpose_ref(v_smem.at[slot], (1, 0))),
+            bkv)
         p = jnp.exp2(s * c - rows_of(lse))
         if masked:
-          rows = row0 + plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 0,
-                                               layout=plgpu.Layout.WGMMA)
-          keys = j * bkv + plgpu.broadcasted_iota(
-              jnp.int32, (ROWS, bkv), 1, layout=plgpu.Layout.WGMMA)
-          p = jnp.where(spec.visible_at(rows, keys, q_len, kv_len), p, 0.0)
+          p = jnp.where(_visible(spec, row0, j * bkv, (ROWS, bkv), q_len,
+                                 kv_len, keys_on_rows=False), p, 0.0)
         if exact:  # Σ P̂·dP·K and Σ P̂·K, with the row sums of P̂ and P̂·dP
           dq, pk, l, pdp_sum = carry
           pdp = p * dp
@@ -388,7 +396,8 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
       dlse = load_all(dlse_smem.at[wg], row_layout)
       if exact:
         dq, pk, l, pdp_sum = visit_blocks(
-            blocks, step, (zeros(h), zeros(h), zero_rows, zero_rows))
+            blocks, step,
+            (_zeros(ROWS, h), _zeros(ROWS, h), zero_rows, zero_rows))
         # P = P̂ / l exactly; δ = rowsum(P·dP) − dLSE; dQ = Σ P (dP − δ) K.
         seen = l != 0  # a NaN sum is seen
         inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
@@ -399,7 +408,7 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
             seen, lse + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
         dl_smem.at[wg][...] = delta_row
       else:
-        dq = visit_blocks(blocks, step, zeros(h))
+        dq = visit_blocks(blocks, step, _zeros(ROWS, h))
       # Σ_j dS_ij = dLSE_i: the K mean's share of dQ.
       dq = dq + (lax.broadcast_in_dim(dlse, (ROWS, h), [0])
                  * lax.broadcast_in_dim(load_all(km_smem.at[wg], col_layout),
