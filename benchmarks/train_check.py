@@ -81,16 +81,24 @@ def poison(nbytes: int = 4 << 30):
 
 @contextlib.contextmanager
 def backward_tiling(tiling):
-  """Backward tiles of the registered "pallas" backend, while tracing."""
-  old = pallas_triton.BACKEND.backward_tiling
-  pallas_triton.BACKEND.backward_tiling = tiling
+  """Backward tiles of the registered backend they belong to, while
+  tracing."""
+  backend = (mosaic.BACKEND if isinstance(tiling, MosaicBackwardTiling)
+             else pallas_triton.BACKEND)
+  old = backend.backward_tiling
+  backend.backward_tiling = tiling
   try:
     yield
   finally:
-    pallas_triton.BACKEND.backward_tiling = old
+    backend.backward_tiling = old
 
 
-def default_tiling(h, **changes):
+def default_tiling(h, impl="pallas", **changes):
+  """The backend's default backward tiling with ``changes``."""
+  if impl == "mosaic":
+    return dataclasses.replace(mosaic.default_backward_tiling(
+        max(64, 1 << (h - 1).bit_length()), changes.pop("fused_dq", False)),
+                               **changes)
   return dataclasses.replace(pallas_triton.default_backward_tiling(h),
                              **changes)
 
@@ -99,6 +107,16 @@ def default_tiling(h, **changes):
 VARIANTS = {
     "mosaic": (SAGE, {}, "mosaic"),
     "mosaic+saved": (SAGE.replace(backward_stats="saved"), {}, "mosaic"),
+    "mosaic+recompute": (SAGE.replace(backward_stats="recompute"), {},
+                         "mosaic"),
+    "mosaic+smooth_v+saved": (SAGE.replace(smooth_v=True,
+                                           backward_stats="saved"), {},
+                              "mosaic"),
+    "mosaic+recompute+fused-dq": (SAGE.replace(backward_stats="recompute"),
+                                  {"fused_dq": True}, "mosaic"),
+    "mosaic+saved+unfused-dq": (SAGE.replace(backward_stats="saved"),
+                                {"fused_dq": False}, "mosaic"),
+    "mosaic+unfused-dq": (SAGE, {"fused_dq": False}, "mosaic"),
     "default": (SAGE, {}),
     "saved": (SAGE.replace(backward_stats="saved"), {}),
     "recompute": (SAGE.replace(backward_stats="recompute"), {}),
@@ -185,7 +203,8 @@ def check(results, quick):
           results.append(row)
           continue
         try:
-          with backward_tiling(default_tiling(h, **tiles) if tiles else None):
+          with backward_tiling(default_tiling(h, impl, **tiles)
+                               if tiles else None):
             fn = jax.jit(sage_step(config, causal, impl=impl, **kw))
             fn = fn.lower(q, k, v, do).compile()
           poison()
@@ -198,7 +217,10 @@ def check(results, quick):
           cos = min(row[g]["cos"] for g in ("dq", "dk", "dv"))
           # The default backward (and its atomic-dQ form) must keep cos >=
           # 0.999; the options are measured (their bounds: NOTES.md).
-          bound = 0.999 if name in ("default", "atomic-dq", "mosaic") else 0.95
+          bound = 0.999 if name in ("default", "atomic-dq", "mosaic",
+                                    "mosaic+recompute",
+                                    "mosaic+recompute+fused-dq",
+                                    "mosaic+unfused-dq") else 0.95
           row["status"] = ("ok" if row["finite"] and cos >= bound
                            else f"FAIL (min cos {cos:.6f} < {bound})")
         except Exception as e:  # pylint: disable=broad-except
@@ -245,7 +267,7 @@ def build(name, h, causal):
         q, k, v, is_causal=causal, implementation="pallas")), None
   config, tiles, impl = variant(name)
   return jax.jit(sage_step(config, causal, impl=impl)), (
-      default_tiling(h, **tiles) if tiles else None)
+      default_tiling(h, impl, **tiles) if tiles else None)
 
 
 def time_one(name, fn, tiling, args, b, n, s, h, causal):
@@ -335,6 +357,19 @@ def mosaic_parts(results, shapes, tilings):
       fns["dq+stats " + tag] = (jax.jit(lambda q, k, v, do, lse2, t=tiling: (
           mb._dq(q, k, v, do, lse2, None, zeros, km, lens, lens,
                  tiling=t, **common))), (q, k, v, do, lse2 + 0.01))
+      fns["stats " + tag] = (jax.jit(lambda q, k, v, do, lse2, t=tiling: (
+          mb._dq(q, k, v, do, lse2, None, zeros, km, lens, lens,
+                 tiling=t, stats_only=True, **common))),
+                             (q, k, v, do, lse2 + 0.01))
+      if tiling.block_q * h == 2 * mb.ROWS * mb.ROWS:
+
+        def fused(q, k, v, do, lse2, delta, t=tiling):
+          acc = jax.new_ref(jnp.zeros(q.shape, f32))
+          dk, dv = mb._dkdv(q, k, v, do, lse2, delta, lens, lens, acc,
+                            tiling=t, **common)
+          return acc[...], dk, dv
+
+        fns["dkdv+dq " + tag] = (jax.jit(fused), (q, k, v, do, lse2, delta))
       # pylint: enable=protected-access
     fl = 4.0 * b * n * s * s * h / (2 if causal else 1)
     for name, (fn, args) in fns.items():
@@ -346,8 +381,8 @@ def mosaic_parts(results, shapes, tilings):
         t = time_calls(fn.lower(*args).compile(), [args], TIMING)
         row["ms"] = t.median_s * 1e3
         # matmuls (each 2·T·S·H): fwd 2, dK/dV 4, dQ 3, backward 9
-        mm = {"sage": 2, "dkdv": 4, "dq": 3, "dq+stats": 4,
-              "backward": 8}[name.split()[0]]
+        mm = {"sage": 2, "dkdv": 4, "dq": 3, "dq+stats": 4, "stats": 2,
+              "dkdv+dq": 5, "backward": 7}[name.split()[0]]
         row["tflops"] = fl / 2 * mm / t.median_s / 1e12
         row["status"] = "ok"
       except Exception as e:  # pylint: disable=broad-except

@@ -81,9 +81,23 @@ def _local_forward(static, q, k, v, bias, mask, q_lengths, kv_lengths):
                                        out_shapes=out_shapes, **branches)
 
 
+def _differentiated(static: _Static, call) -> _Static:
+  """``static`` with the config of each branch that a kernel backward
+  follows replaced by :meth:`SageConfig.differentiated`."""
+  def config_of(name, config):
+    if backends.backward_of(name, call, config) is None:
+      return config
+    return config.differentiated()
+  return dataclasses.replace(
+      static, config=config_of(static.backend, static.config),
+      per_platform=tuple((platform, name, config_of(name, config))
+                         for platform, name, config in static.per_platform))
+
+
 def _sage_attention_fwd(static, q, k, v, bias, mask, q_lengths, kv_lengths):
-  out, lse = _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths)
   call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
+  static = _differentiated(static, call)
+  out, lse = _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths)
   # The forward's LSE is saved for a kernel backward (the Mosaic backward
   # corrects it into the exact statistics; [B, N, T] is small), its output
   # too when that backward takes δ from it (residuals have one structure on
@@ -134,6 +148,8 @@ class _Grads:
 
 def _sage_attention_bwd(static, res, cotangents):
   q, k, v, bias, mask, q_lengths, kv_lengths, saved = res
+  static = _differentiated(static, _call_of(static, q, k, v, bias, mask,
+                                            q_lengths, kv_lengths))
   out, lse = (None, None) if saved is None else saved
   grads = sharding.attention_backward(
       functools.partial(_local_backward, static), static.layout,
@@ -248,7 +264,10 @@ def attention(
   ``config.backward_int8``); otherwise, and always after an ``"xla"``
   forward, the ``"xla"`` backward: FP32 with exactly recomputed statistics.
   With ``implementation=None`` the backward is chosen per platform with the
-  forward; a ``logits_soft_cap`` takes the ``"xla"`` backward. Gradients flow
+  forward; a ``logits_soft_cap`` takes the ``"xla"`` backward. A forward
+  that a kernel backward follows runs with
+  :meth:`SageConfig.differentiated` (``sage2-8b``: P·V in FP16, so that the
+  backward can take its statistics from the forward). Gradients flow
   to ``query``, ``key``, ``value``, ``bias`` and through the returned LSE.
   """
   call = _inputs.parse(query, key, value, bias, mask, scale=scale,

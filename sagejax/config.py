@@ -70,9 +70,11 @@ class SageConfig:
       FlashAttention does: no extra pass, but the forward's error enters δ.
       ``"auto"`` (default): ``"saved"`` where that was measured to keep the
       gradients at cos ≥ 0.999 of exact ones on normal and channel-outlier
-      data (INT8 Q·Kᵀ with 16-bit P·V, or FP8 P·V with ``smooth_v``), else
-      ``"recompute"`` (benchmarks/NOTES.md). The ``"xla"`` backward always
-      recomputes exactly.
+      data (INT8 Q·Kᵀ with 16-bit P·V), else ``"recompute"``; and a config
+      with INT8 Q·Kᵀ and FP8 P·V (``sage2-8b``) runs its P·V in FP16 in a
+      forward that a kernel backward follows (:meth:`differentiated`), so
+      that it too takes the saved statistics (benchmarks/NOTES.md, B1 and
+      B7). The ``"xla"`` backward always recomputes exactly.
     backward_int8: SageBwd's 8-bit backward (SageAttention3, arXiv
       2505.11594): the kernel backward's Q·Kᵀ recomputation and its Pᵀ·dO,
       dSᵀ·Q and dS·K products in INT8 with per-block scales (Q, K smoothed,
@@ -142,6 +144,23 @@ class SageConfig:
       return self.backward_stats == "saved"
     return self.qk_dtype == "int8" and (self.pv_dtype != "fp8_e4m3"
                                         or self.smooth_v)
+
+  def differentiated(self) -> "SageConfig":
+    """The config of a forward under ``jax.grad`` that a kernel backward
+    follows.
+
+    With ``backward_stats="auto"``, INT8 Q·Kᵀ and FP8 P·V, the P·V product
+    runs in FP16 (FP32 accumulation, as ``sage1``): the FP8 rounding of P̃
+    and V would otherwise enter δ = rowsum(dO ∘ O) through the saved output
+    (gradient cos down to 0.997 on outlier data, 0.998 with short windows),
+    and exact statistics cost the backward a pass of two more products. The
+    output then differs from the plain forward's by quantization noise
+    only, and is more accurate. Other configs are unchanged.
+    """
+    if (self.backward_stats == "auto" and self.qk_dtype == "int8"
+        and self.pv_dtype == "fp8_e4m3"):
+      return self.replace(pv_dtype="fp16", pv_accumulation="fp32")
+    return self
 
   @property
   def rows_per_warp(self) -> int:

@@ -284,6 +284,57 @@ def test_custom_vjp_uses_the_kernel_backward(qkv, next_key, monkeypatch):
     assert _rel(g, r) < 1e-4
 
 
+def test_differentiated_forward_has_16_bit_pv(qkv, next_key, monkeypatch):
+  """sage2-8b ("auto") under jax.grad with a kernel backward: the forward
+  runs P·V in FP16 (SageConfig.differentiated), its value is that forward's
+  and the backward takes δ from its output, within cos 0.999 of exact
+  gradients on channel-outlier data. After the "xla" forward (no kernel
+  backward) nothing changes."""
+  monkeypatch.setitem(backends.registry(), "pallas", FAST)
+  sage = PRESETS["sage2-8b"]
+  fp16_pv = sage.replace(pv_dtype="fp16", pv_accumulation="fp32")
+  assert sage.differentiated() == fp16_pv and fp16_pv.saved_stats
+  assert RECOMPUTE.differentiated() == RECOMPUTE
+  assert PRESETS["sage1"].differentiated() == PRESETS["sage1"]
+  assert PRESETS["sage2-4b"].differentiated() == PRESETS["sage2-4b"]
+  saw = []
+  real = pallas_triton._PallasTritonBackend.backward
+
+  def spy(self, call, config, d_out, d_lse, saved, tiling=None):
+    saw.append((config, saved[0] is not None))
+    return real(self, call, config, d_out, d_lse, saved, tiling or TILING)
+  monkeypatch.setattr(pallas_triton._PallasTritonBackend, "backward", spy)
+  q, k, v = qkv(1, 96, 128, 4, 2, 64, kind="qkv_channel_bias",
+                dtype=jnp.bfloat16)
+  w = jax.random.normal(next_key(), q.shape)
+
+  def value_and_grads(fn):
+    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(
+        fn(q, k, v, is_causal=True).astype(jnp.float32) * w), (0, 1, 2)))(
+            q, k, v)
+
+  def value(config, impl):
+    return jax.jit(lambda q, k, v: jnp.sum(sagejax.attention(
+        q, k, v, is_causal=True, config=config,
+        implementation=impl).astype(jnp.float32) * w))(q, k, v)
+
+  got_value, got = value_and_grads(functools.partial(
+      sagejax.attention, config="sage2-8b", implementation="pallas"))
+  assert saw.pop() == (fp16_pv, True)
+  # The value is the FP16-P·V forward's (up to summation order), not the
+  # FP8 forward's (which differs by quantization noise).
+  assert abs(got_value - value(fp16_pv, "pallas")) < 0.1 * abs(
+      got_value - value(sage, "pallas"))
+  _, want = value_and_grads(sagejax.exact_attention)
+  for g, r in zip(got, want):
+    assert testing.error_metrics(g, r)["cos_sim"] > 0.999
+  got_value, _ = value_and_grads(functools.partial(
+      sagejax.attention, config="sage2-8b", implementation="xla"))
+  assert not saw
+  assert abs(got_value - value(sage, "xla")) < 0.1 * abs(
+      got_value - value(fp16_pv, "xla"))
+
+
 LOWER_CASES = [
     # layout, H, causal, mask/bias, config, atomic dQ
     ("BTNH", 128, True, False, RECOMPUTE, False),

@@ -11,12 +11,13 @@ then picks the ``"pallas"`` backend): user ``mask``/``bias`` arrays, head dims
 above 128, a negative ``scale``.
 
 Its backward (:mod:`sagejax.kernels.mosaic_backward`, 16-bit ``wgmma``)
-computes the exact softmax statistics in its dQ kernel from the forward's
-saved LSE as an estimate (``backward_stats="recompute"``, the default; the
-forward is run for it when no LSE is given), or takes δ from the saved
-output too (``"saved"``: one product fewer, the quantized forward's
-error in the gradient); calls it does not serve (``backward_unsupported``:
-FP32 inputs, the 8-bit backward) take the ``"pallas"`` backward kernels.
+takes δ from the forward's saved output (``backward_stats="saved"``, and
+``"auto"``, whose differentiated forward runs P·V in FP16) and accumulates
+dQ in the dK/dV kernel by TMA reduce-add; or computes the exact softmax
+statistics in its dQ kernel from the saved LSE as an estimate
+(``"recompute"``; the forward is run for it when no LSE is given). Calls
+it does not serve (``backward_unsupported``: FP32 inputs, the 8-bit
+backward) take the ``"pallas"`` backward kernels.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ def default_tiling(head_dim: int, config: SageConfig) -> MosaicTiling:
   if head_dim <= 64:
     return MosaicTiling(block_kv=128, num_stages=3)
   return MosaicTiling(block_kv=128, num_stages=2)
+
+
+def default_backward_tiling(head_dim: int, fused_dq: bool = False
+                            ) -> MosaicBackwardTiling:
+  """Backward tiles by head dim (benchmarks/NOTES.md, B5 and B7); with
+  ``fused_dq`` the dK/dV kernel's query tile is 8192 / H rows (each
+  consumer owns a 64 x 64 half of the dQ tile)."""
+  if fused_dq:
+    return MosaicBackwardTiling(block_q=8192 // head_dim, fused_dq=True)
+  return MosaicBackwardTiling()
 
 
 def _is_hopper() -> bool:
@@ -154,7 +165,11 @@ class _MosaicBackend:
     :class:`sagejax.backends.BackwardBackend`."""
     b, n, t, h, kh, s = call.dims
     hp = max(64, next_pow2(h))
-    tiling = tiling or self.backward_tiling or MosaicBackwardTiling()
+    out, lse = (None, None) if saved is None else saved
+    # δ from the saved output: dQ is accumulated in the dK/dV kernel (one
+    # kernel of 5 products); else the dQ kernel also makes the statistics.
+    tiling = tiling or self.backward_tiling or default_backward_tiling(
+        hp, fused_dq=out is not None)
     unit = 2 * mosaic_backward.ROWS  # a multiple of every tile
     t_pad, s_pad = -(-t // unit) * unit, -(-s // unit) * unit
     layout = call.layout
@@ -166,13 +181,16 @@ class _MosaicBackend:
 
     q_lengths = quant.valid_lengths(call.q_lengths, b, t)
     kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
-    # K smoothed: dQ never multiplies a large mean. V smoothed: dP − δ is
-    # unchanged, but the dQ kernel's sums do not cancel a large V mean.
+    # K smoothed: dQ never multiplies a large mean. V smoothed when the dQ
+    # kernel makes the statistics: dP − δ is unchanged, but its sums do not
+    # cancel a large V mean.
     kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
-    vc, v_mean = smoothed(call.v, kv_lengths, layout, hp, s_pad)
-    pad = lambda x: pad_axis(pad_axis(x, 3, hp), t_ax, t_pad)
+    pad = lambda x, size=t_pad: pad_axis(pad_axis(x, 3, hp), t_ax, size)
+    if out is None:
+      vc, _ = smoothed(call.v, kv_lengths, layout, hp, s_pad)
+    else:
+      vc = pad(call.v, s_pad)
     q, do = pad(call.q), pad(d_out)
-    out, lse = (None, None) if saved is None else saved
     if lse is None:  # the estimate jax.grad keeps: the quantized forward's
       lse = self.forward(call, config)[1]
     # The LSE of the smoothed logits: minus the row shift q·k̄.
@@ -184,10 +202,8 @@ class _MosaicBackend:
     dl = jnp.zeros_like(lse2) if d_lse is None else jnp.where(
         seen, vec(d_lse), 0.0)
     delta = None  # the dQ kernel makes the exact statistics
-    if out is not None:  # saved: δ = rowsum(dO ∘ (O − v̄)) − dLSE
-      v_rows = jnp.repeat(v_mean, n // kh, axis=1)
-      v_rows = v_rows[:, None] if layout == "BTNH" else v_rows[:, :, None]
-      delta = jnp.sum(do.astype(f32) * (pad(out).astype(f32) - v_rows), -1)
+    if out is not None:  # saved: δ = rowsum(dO ∘ O) − dLSE
+      delta = jnp.sum(do.astype(f32) * pad(out).astype(f32), -1)
       if layout == "BTNH":
         delta = jnp.swapaxes(delta, 1, 2)
       delta = jnp.where(seen, delta - dl, 0.0)

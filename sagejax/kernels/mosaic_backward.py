@@ -26,6 +26,10 @@ run BF16/FP16 ``wgmma`` with FP32 accumulators:
   and adds dS·K into dQ. Causal CTAs run heaviest first. It runs first:
   given only an estimate of lse₂ it also returns the exact lse₂ and δ
   (no separate statistics pass).
+* Or, with ``MosaicBackwardTiling.fused_dq``, dQ in the dK/dV kernel: the
+  consumers put their dSᵀ rows in shared memory and each adds one 64 × 64
+  half of the step's dS·K into an FP32 dQ by TMA reduce-add (given only an
+  estimate of lse₂, a statistics-only pass of the dQ kernel runs first).
 
 Every operand is read in the caller's layout (``[B, T, N, H]`` or ``[B, N,
 T, H]``) in place by TMA, and dQ, dK, dV are written in it.
@@ -62,6 +66,13 @@ class MosaicBackwardTiling:
     num_stages: depth of both kernels' shared-memory rings.
     consumer_registers, producer_registers: per-thread registers of the two
       consumer warpgroups and of the producer (``setmaxnreg``).
+    fused_dq: accumulate dQ in the dK/dV kernel: each CTA adds its ``dS·K``
+      into an FP32 dQ by TMA reduce-add (FlashAttention-3's scheme: 5
+      products per tile pair instead of 7; when recomputing, a statistics
+      pass of 2 products runs first). Needs ``block_q · H = 8192`` (each
+      consumer computes one 64 × 64 half of a step's dQ tile). Off: dQ has
+      its own kernel, which also makes the exact statistics — measured
+      faster on an H100 (benchmarks/NOTES.md, B7).
   """
 
   block_q: int = 64
@@ -69,6 +80,7 @@ class MosaicBackwardTiling:
   num_stages: int = 2
   consumer_registers: int = 240
   producer_registers: int = 24
+  fused_dq: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_kv"):
@@ -137,6 +149,7 @@ def attention_backward(
     k_mean: f32 ``[B, K, H]``, the k̄ taken out of ``k``.
     spec: causal / window description (unpadded ``q_len``/``kv_len``).
     q_lengths, kv_lengths: int32 ``[B]`` valid lengths.
+    tiling: kernel tiles; ``tiling.fused_dq`` picks the dQ arrangement.
 
   Returns:
     (dQ, dK, dV) in ``layout`` and the inputs' dtype, padded.
@@ -154,30 +167,62 @@ def attention_backward(
                            (s_pad, tiling.block_kv, "S_pad")):
     if size % tile:
       raise ValueError(f"{what}={size} must be a multiple of {tile}.")
+  fused = tiling.fused_dq
+  if fused and tiling.block_q * h != 2 * ROWS * ROWS:
+    raise ValueError(
+        f"MosaicBackwardTiling(fused_dq=True) needs block_q * H = "
+        f"{2 * ROWS * ROWS}, got block_q={tiling.block_q}, H={h}: pass "
+        f"block_q={2 * ROWS * ROWS // h} or fused_dq=False.")
   common = dict(spec=spec, c=sm_scale * quant.LOG2E, sm_scale=sm_scale,
                 layout=layout, tiling=tiling, dims=(b, n, t_pad, h, kh, s_pad))
   lengths = (q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32))
-  dq = _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, *lengths, **common)
-  if delta is None:  # the dQ kernel made the exact statistics
-    dq, lse2, delta = dq
-  dk, dv = _dkdv(q, k, v, d_out, lse2, delta, *lengths, **common)
+  if not fused:
+    dq = _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, *lengths, **common)
+    if delta is None:  # the dQ kernel made the exact statistics
+      dq, lse2, delta = dq
+    dk, dv = _dkdv(q, k, v, d_out, lse2, delta, *lengths, **common)
+    return dq, dk, dv
+  if delta is None:  # a statistics-only pass of the dQ kernel
+    lse2, delta = _dq(q, k, v, d_out, lse2, None, d_lse, k_mean, *lengths,
+                      stats_only=True, **common)
+  acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+  dk, dv = _dkdv(q, k, v, d_out, lse2, delta, *lengths, acc, **common)
+  # Σ_j dS_ij = dLSE_i: the K mean's share of dQ.
+  g = n // kh
+  dl = jnp.where(jnp.isfinite(lse2), d_lse, 0.0)
+  shift = dl[..., None] * jnp.repeat(k_mean.astype(jnp.float32), g,
+                                     axis=1)[:, :, None]
+  if layout == "BTNH":
+    shift = jnp.swapaxes(shift, 1, 2)
+  dq = ((acc[...] + shift) * sm_scale).astype(q.dtype)
   return dq, dk, dv
 
 
-def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
-          spec: MaskSpec, c: float, sm_scale: float, layout: str,
+def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
+          *, spec: MaskSpec, c: float, sm_scale: float, layout: str,
           tiling: MosaicBackwardTiling, dims):
+  """dK, dV; with ``dq_acc`` (a zeroed f32 ref shaped like ``q``) also adds
+  every CTA's ``dS·K`` into it by TMA reduce-add."""
   b, n, t_pad, h, kh, s_pad = dims
   g = n // kh
   bq, stages = tiling.block_q, tiling.num_stages
   num_q_blocks = t_pad // bq
   dtype = q.dtype
   col_layout = plgpu.Layout.WGMMA.reduce(0)
+  fused = dq_acc is not None
+  # The dQ tile [bq, H] of a step is two 64 x 64 halves, one per consumer:
+  # split along H (bq = 64) or along the rows (H = 64, bq = 128).
+  split_cols = h == 2 * ROWS
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, ql_ref, kl_ref,
-             dk_ref, dv_ref, scratch):
-    (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem) = scratch[0]
-    kv_bar, in_bar, free = scratch[1]
+  def kernel(*refs):
+    if fused:
+      (q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, ql_ref, kl_ref,
+       dq_ref, dk_ref, dv_ref, scratch) = refs
+    else:
+      (q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, ql_ref, kl_ref,
+       dk_ref, dv_ref, scratch) = refs
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem) = scratch[0][:6]
+    kv_bar, in_bar, free = scratch[1][:3]
     kv_head = lax.axis_index("kv_heads")
     kt = lax.axis_index("kv_tiles")
     batch = lax.axis_index("batch")
@@ -193,20 +238,28 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
     def _consumer():
       plgpu.set_max_registers(tiling.consumer_registers, action="increase")
       k0 = cta_first + wg * ROWS
+      own = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this wg's keys
+      k_own, v_own = k_smem.at[own], v_smem.at[own]
       plgpu.copy_gmem_to_smem(tile_rows(k_ref, layout, batch, kv_head, k0,
-                                        ROWS), k_smem.at[wg], kv_bar.at[wg])
+                                        ROWS), k_own, kv_bar.at[wg])
       plgpu.copy_gmem_to_smem(tile_rows(v_ref, layout, batch, kv_head, k0,
-                                        ROWS), v_smem.at[wg], kv_bar.at[wg])
+                                        ROWS), v_own, kv_bar.at[wg])
       plgpu.barrier_wait(kv_bar.at[wg])
+
+      if fused:
+        ds_smem, dq_smem = scratch[0][6:]
+        ds_bar = scratch[1][3]
+        half = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
 
       def step(i, carry, masked: bool, gi):
         dk, dv = carry
-        slot = lax.rem(gi * per_head + i - lo, jnp.int32(stages))
+        n_step = gi * per_head + i - lo
+        slot = lax.rem(n_step, jnp.int32(stages))
         plgpu.barrier_wait(in_bar.at[slot])
 
         s_t, dp_t = _two_products(  # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
-            (k_smem.at[wg], plgpu.transpose_ref(q_smem.at[slot], (1, 0))),
-            (v_smem.at[wg], plgpu.transpose_ref(do_smem.at[slot], (1, 0))),
+            (k_own, plgpu.transpose_ref(q_smem.at[slot], (1, 0))),
+            (v_own, plgpu.transpose_ref(do_smem.at[slot], (1, 0))),
             bq)
         lse = lax.broadcast_in_dim(load_all(lse_smem.at[slot], col_layout),
                                    (ROWS, bq), [1])
@@ -216,28 +269,56 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
         if masked:
           p_t = jnp.where(_visible(spec, i * bq, k0, (ROWS, bq), q_len,
                                    kv_len, keys_on_rows=True), p_t, 0.0)
-        ds_t = p_t * (dp_t - dl)
+        ds_t = (p_t * (dp_t - dl)).astype(dtype)
+        if fused:  # both consumers' dSᵀ rows in shared memory (2 buffers)
+          buf = lax.rem(n_step, jnp.int32(2))
+          ds_smem.at[buf, own][...] = ds_t
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(ds_bar.at[buf])
 
-        def grads(refs):  # dV += Pᵀ·dO, dK += dSᵀ·Q
-          dv_ref, dk_ref_ = refs
-          plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])
-          plgpu.wgmma(dk_ref_, ds_t.astype(dtype), q_smem.at[slot])
+        def grads(refs):  # dV += Pᵀ·dO, dK += dSᵀ·Q (and this half of dS·K)
+          plgpu.wgmma(refs[0], p_t.astype(dtype), do_smem.at[slot])
+          plgpu.wgmma(refs[1], ds_t, q_smem.at[slot])
+          if fused:
+            plgpu.barrier_wait(ds_bar.at[buf])
+            if split_cols:  # dQ[:, half] = dS · K[:, half]
+              plgpu.wgmma(refs[2],
+                          plgpu.transpose_ref(ds_smem.at[buf], (1, 0)),
+                          k_smem.at[:, half])
+            else:  # dQ[half] = dS[half] · K
+              plgpu.wgmma(refs[2], plgpu.transpose_ref(
+                  ds_smem.at[buf, :, half], (1, 0)), k_smem)
 
-        dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+        accs = (plgpu.ACC.init(dv), plgpu.ACC.init(dk))
+        if fused:
+          accs += (plgpu.ACC.init(_zeros(ROWS, ROWS)),)
+        out = pl.run_state(grads)(accs)
         plgpu.barrier_arrive(free.at[slot])
-        return dk, dv
+        if fused:  # add the dQ half into dq_ref (TMA reduce-add)
+          head = kv_head * g + gi
+          if split_cols:
+            window = tile_rows(dq_ref, layout, batch, head, i * bq, bq).at[
+                :, half]
+          else:
+            window = tile_rows(dq_ref, layout, batch, head,
+                               i * bq + wg * ROWS, ROWS)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          dq_smem.at[wg][...] = out[2]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(dq_smem.at[wg], window, reduction_op="add")
+        return out[1], out[0]
 
       def head(gi, carry):
         return visit_blocks(blocks, functools.partial(step, gi=gi), carry)
 
       dk, dv = lax.fori_loop(0, g, head, (_zeros(ROWS, h), _zeros(ROWS, h)))
-      k_smem.at[wg][...] = (dk * sm_scale).astype(dk_ref.dtype)
-      v_smem.at[wg][...] = dv.astype(dv_ref.dtype)
+      k_own[...] = (dk * sm_scale).astype(dk_ref.dtype)
+      v_own[...] = dv.astype(dv_ref.dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(
-          k_smem.at[wg], tile_rows(dk_ref, layout, batch, kv_head, k0, ROWS))
+          k_own, tile_rows(dk_ref, layout, batch, kv_head, k0, ROWS))
       plgpu.copy_smem_to_gmem(
-          v_smem.at[wg], tile_rows(dv_ref, layout, batch, kv_head, k0, ROWS))
+          v_own, tile_rows(dv_ref, layout, batch, kv_head, k0, ROWS))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -268,37 +349,44 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
 
   def entry(*refs):
     smem = (
-        wgmma_smem((2, ROWS, h), dtype),
-        wgmma_smem((2, ROWS, h), dtype),
+        wgmma_smem((2 * ROWS, h), dtype),
+        wgmma_smem((2 * ROWS, h), dtype),
         wgmma_smem((stages, bq, h), dtype),
         wgmma_smem((stages, bq, h), dtype),
         plgpu.SMEM((stages, bq), jnp.float32),
         plgpu.SMEM((stages, bq), jnp.float32),
     )
-    pl.run_scoped(
-        lambda *scratch: kernel(*refs, scratch), smem,
-        (plgpu.Barrier(num_arrivals=2, num_barriers=2),
-         plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-         plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
-        collective_axes="wg")
+    barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+                plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+    if fused:
+      smem += (wgmma_smem((2, 2 * ROWS, bq), dtype),  # dSᵀ of 2 steps
+               wgmma_smem((2, ROWS, ROWS), jnp.float32))  # dQ halves
+      barriers += (plgpu.Barrier(num_arrivals=2, num_barriers=2),)
+    pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers,
+                  collective_axes="wg")
 
-  return plgpu.kernel(
-      entry,
-      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),
-                jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      grid=(kh, s_pad // (2 * ROWS), b),
-      grid_names=("kv_heads", "kv_tiles", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
+  out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype),
+              jax.ShapeDtypeStruct(v.shape, v.dtype))
+  mesh = plgpu.Mesh(grid=(kh, s_pad // (2 * ROWS), b),
+                    grid_names=("kv_heads", "kv_tiles", "batch"),
+                    num_threads=3, thread_name="wg")
+  params = plgpu.CompilerParams(approx_math=True)
+  inputs = (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
+  if fused:  # dq_acc is a Ref: pl.kernel aliases it in and out
+    return pl.kernel(entry, out_type=out_type, mesh=mesh,
+                     compiler_params=params)(*inputs, dq_acc)
+  return plgpu.kernel(entry, out_type=out_type, grid=mesh.grid,
+                      grid_names=mesh.grid_names, num_threads=3,
+                      thread_name="wg", compiler_params=params)(*inputs)
 
 
 def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
         *, spec: MaskSpec, c: float, sm_scale: float, layout: str,
-        tiling: MosaicBackwardTiling, dims):
+        tiling: MosaicBackwardTiling, dims, stats_only: bool = False):
   """dQ; with ``delta=None`` also the exact (lse₂, δ): ``lse2`` is then an
-  estimate (e.g. the quantized forward's) that the row sums correct."""
+  estimate (e.g. the quantized forward's) that the row sums correct.
+  ``stats_only``: (lse₂, δ) alone (two products per tile, no dQ)."""
   b, n, t_pad, h, kh, s_pad = dims
   g = n // kh
   bkv, stages = tiling.block_kv, tiling.num_stages
@@ -306,11 +394,17 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
   num_q_tiles = t_pad // (2 * ROWS)
   dtype = q.dtype
   exact = delta is None
+  if stats_only and not exact:
+    raise ValueError("stats_only needs delta=None")
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
 
   def kernel(*refs):
-    if exact:
+    if stats_only:
+      (q_ref, k_ref, v_ref, do_ref, lse_ref, dlse_ref, km_ref, ql_ref,
+       kl_ref, lse_out, dl_out, scratch) = refs
+      dl_ref = None
+    elif exact:
       (q_ref, k_ref, v_ref, do_ref, lse_ref, dlse_ref, km_ref, ql_ref,
        kl_ref, dq_ref, lse_out, dl_out, scratch) = refs
       dl_ref = None
@@ -369,7 +463,10 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
         if masked:
           p = jnp.where(_visible(spec, row0, j * bkv, (ROWS, bkv), q_len,
                                  kv_len, keys_on_rows=False), p, 0.0)
-        if exact:  # Σ P̂·dP·K and Σ P̂·K, with the row sums of P̂ and P̂·dP
+        if stats_only:  # the row sums of P̂ and P̂·dP
+          l, pdp_sum = carry
+          carry = (l + p.sum(axis=1), pdp_sum + (p * dp).sum(axis=1))
+        elif exact:  # Σ P̂·dP·K and Σ P̂·K, with the row sums of P̂ and P̂·dP
           dq, pk, l, pdp_sum = carry
           pdp = p * dp
 
@@ -395,28 +492,34 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
 
       dlse = load_all(dlse_smem.at[wg], row_layout)
       if exact:
-        dq, pk, l, pdp_sum = visit_blocks(
-            blocks, step,
-            (_zeros(ROWS, h), _zeros(ROWS, h), zero_rows, zero_rows))
+        if stats_only:
+          l, pdp_sum = visit_blocks(blocks, step, (zero_rows, zero_rows))
+        else:
+          dq, pk, l, pdp_sum = visit_blocks(
+              blocks, step,
+              (_zeros(ROWS, h), _zeros(ROWS, h), zero_rows, zero_rows))
         # P = P̂ / l exactly; δ = rowsum(P·dP) − dLSE; dQ = Σ P (dP − δ) K.
         seen = l != 0  # a NaN sum is seen
         inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         delta_row = jnp.where(seen, pdp_sum * inv_l - dlse, 0.0)
-        bcast = lambda x: lax.broadcast_in_dim(x, (ROWS, h), [0])
-        dq = (dq - pk * bcast(delta_row)) * bcast(inv_l)
+        if not stats_only:
+          bcast = lambda x: lax.broadcast_in_dim(x, (ROWS, h), [0])
+          dq = (dq - pk * bcast(delta_row)) * bcast(inv_l)
         lse_smem.at[wg][...] = jnp.where(
             seen, lse + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
         dl_smem.at[wg][...] = delta_row
       else:
         dq = visit_blocks(blocks, step, _zeros(ROWS, h))
-      # Σ_j dS_ij = dLSE_i: the K mean's share of dQ.
-      dq = dq + (lax.broadcast_in_dim(dlse, (ROWS, h), [0])
-                 * lax.broadcast_in_dim(load_all(km_smem.at[wg], col_layout),
-                                        (ROWS, h), [1]))
-      q_smem.at[wg][...] = (dq * sm_scale).astype(dtype)  # Q is done with
+      if not stats_only:
+        # Σ_j dS_ij = dLSE_i: the K mean's share of dQ.
+        dq = dq + (lax.broadcast_in_dim(dlse, (ROWS, h), [0])
+                   * lax.broadcast_in_dim(
+                       load_all(km_smem.at[wg], col_layout), (ROWS, h), [1]))
+        q_smem.at[wg][...] = (dq * sm_scale).astype(dtype)  # Q is done with
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          q_smem.at[wg], tile_rows(dq_ref, layout, batch, head, row0, ROWS))
+      if not stats_only:
+        plgpu.copy_smem_to_gmem(
+            q_smem.at[wg], tile_rows(dq_ref, layout, batch, head, row0, ROWS))
       if exact:
         plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                                 lse_out.at[batch, head, rows_at])
@@ -468,7 +571,8 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
       d_lse, k_mean.astype(jnp.float32), q_lengths, kv_lengths]
   return plgpu.kernel(
       entry,
-      out_type=(dq_type, vec_type, vec_type) if exact else dq_type,
+      out_type=((vec_type, vec_type) if stats_only else
+                (dq_type, vec_type, vec_type) if exact else dq_type),
       grid=(n, num_q_tiles, b),
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=3,
