@@ -87,7 +87,7 @@ def _differentiated(static: _Static, call) -> _Static:
   def config_of(name, config):
     if backends.backward_of(name, call, config) is None:
       return config
-    return config.differentiated()
+    return config.differentiated(call.q.dtype)
   return dataclasses.replace(
       static, config=config_of(static.backend, static.config),
       per_platform=tuple((platform, name, config_of(name, config))
@@ -266,8 +266,8 @@ def attention(
   With ``implementation=None`` the backward is chosen per platform with the
   forward; a ``logits_soft_cap`` takes the ``"xla"`` backward. A forward
   that a kernel backward follows runs with
-  :meth:`SageConfig.differentiated` (``sage2-8b``: P·V in FP16, so that the
-  backward can take its statistics from the forward). Gradients flow
+  :meth:`SageConfig.differentiated` (``sage2-8b``: P·V in 16 bits, so that
+  the backward can take its statistics from the forward). Gradients flow
   to ``query``, ``key``, ``value``, ``bias`` and through the returned LSE.
   """
   call = _inputs.parse(query, key, value, bias, mask, scale=scale,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Union
 
+import jax.numpy as jnp
+
 QKDtype = Literal["int8", "int4"]
 Granularity = Literal["per_block", "per_warp", "per_thread", "per_token"]
 PVDtype = Literal["fp8_e4m3", "fp16", "bf16"]
@@ -71,8 +73,8 @@ class SageConfig:
       ``"auto"`` (default): ``"saved"`` where that was measured to keep the
       gradients at cos ≥ 0.999 of exact ones on normal and channel-outlier
       data (INT8 Q·Kᵀ with 16-bit P·V), else ``"recompute"``; and a config
-      with INT8 Q·Kᵀ and FP8 P·V (``sage2-8b``) runs its P·V in FP16 in a
-      forward that a kernel backward follows (:meth:`differentiated`), so
+      with INT8 Q·Kᵀ and FP8 P·V (``sage2-8b``) runs its P·V in 16 bits in
+      a forward that a kernel backward follows (:meth:`differentiated`), so
       that it too takes the saved statistics (benchmarks/NOTES.md, B1 and
       B7). The ``"xla"`` backward always recomputes exactly.
     backward_int8: SageBwd's 8-bit backward (SageAttention3, arXiv
@@ -145,21 +147,24 @@ class SageConfig:
     return self.qk_dtype == "int8" and (self.pv_dtype != "fp8_e4m3"
                                         or self.smooth_v)
 
-  def differentiated(self) -> "SageConfig":
+  def differentiated(self, dtype=None) -> "SageConfig":
     """The config of a forward under ``jax.grad`` that a kernel backward
-    follows.
+    follows, for inputs of ``dtype``.
 
     With ``backward_stats="auto"``, INT8 Q·Kᵀ and FP8 P·V, the P·V product
-    runs in FP16 (FP32 accumulation, as ``sage1``): the FP8 rounding of P̃
-    and V would otherwise enter δ = rowsum(dO ∘ O) through the saved output
-    (gradient cos down to 0.997 on outlier data, 0.998 with short windows),
+    runs in 16 bits (FP16 for float16 inputs, else BF16, so that V never
+    overflows where the input does not; FP32 accumulation, as ``sage1``):
+    the FP8 rounding of P̃ and V would otherwise enter δ = rowsum(dO ∘ O)
+    through the saved output (gradient cos down to 0.994 on outlier data),
     and exact statistics cost the backward a pass of two more products. The
     output then differs from the plain forward's by quantization noise
     only, and is more accurate. Other configs are unchanged.
     """
     if (self.backward_stats == "auto" and self.qk_dtype == "int8"
         and self.pv_dtype == "fp8_e4m3"):
-      return self.replace(pv_dtype="fp16", pv_accumulation="fp32")
+      fp16 = dtype is not None and jnp.dtype(dtype) == jnp.float16
+      return self.replace(pv_dtype="fp16" if fp16 else "bf16",
+                          pv_accumulation="fp32")
     return self
 
   @property

@@ -286,14 +286,18 @@ def test_custom_vjp_uses_the_kernel_backward(qkv, next_key, monkeypatch):
 
 def test_differentiated_forward_has_16_bit_pv(qkv, next_key, monkeypatch):
   """sage2-8b ("auto") under jax.grad with a kernel backward: the forward
-  runs P·V in FP16 (SageConfig.differentiated), its value is that forward's
+  runs P·V in the inputs' 16-bit type (SageConfig.differentiated; BF16
+  here), its value is that forward's
   and the backward takes δ from its output, within cos 0.999 of exact
   gradients on channel-outlier data. After the "xla" forward (no kernel
   backward) nothing changes."""
   monkeypatch.setitem(backends.registry(), "pallas", FAST)
   sage = PRESETS["sage2-8b"]
   fp16_pv = sage.replace(pv_dtype="fp16", pv_accumulation="fp32")
-  assert sage.differentiated() == fp16_pv and fp16_pv.saved_stats
+  bf16_pv = sage.replace(pv_dtype="bf16", pv_accumulation="fp32")
+  assert sage.differentiated(jnp.float16) == fp16_pv and fp16_pv.saved_stats
+  assert sage.differentiated(jnp.bfloat16) == bf16_pv and bf16_pv.saved_stats
+  assert sage.differentiated(jnp.float32) == bf16_pv
   assert RECOMPUTE.differentiated() == RECOMPUTE
   assert PRESETS["sage1"].differentiated() == PRESETS["sage1"]
   assert PRESETS["sage2-4b"].differentiated() == PRESETS["sage2-4b"]
@@ -320,10 +324,10 @@ def test_differentiated_forward_has_16_bit_pv(qkv, next_key, monkeypatch):
 
   got_value, got = value_and_grads(functools.partial(
       sagejax.attention, config="sage2-8b", implementation="pallas"))
-  assert saw.pop() == (fp16_pv, True)
-  # The value is the FP16-P·V forward's (up to summation order), not the
+  assert saw.pop() == (bf16_pv, True)
+  # The value is the BF16-P·V forward's (up to summation order), not the
   # FP8 forward's (which differs by quantization noise).
-  assert abs(got_value - value(fp16_pv, "pallas")) < 0.1 * abs(
+  assert abs(got_value - value(bf16_pv, "pallas")) < 0.1 * abs(
       got_value - value(sage, "pallas"))
   _, want = value_and_grads(sagejax.exact_attention)
   for g, r in zip(got, want):
@@ -332,7 +336,7 @@ def test_differentiated_forward_has_16_bit_pv(qkv, next_key, monkeypatch):
       sagejax.attention, config="sage2-8b", implementation="xla"))
   assert not saw
   assert abs(got_value - value(sage, "xla")) < 0.1 * abs(
-      got_value - value(fp16_pv, "xla"))
+      got_value - value(bf16_pv, "xla"))
 
 
 LOWER_CASES = [

@@ -355,7 +355,7 @@ def test_backward_unsupported_calls_name_the_reason():
 
 BWD_GPU_CASES = [
     # (B, T, S, N, K, H), kwargs (layout, lengths, attention kwargs),
-    # backward_stats ("auto": the differentiated forward's P·V in FP16)
+    # backward_stats ("auto": the differentiated forward's P·V in BF16)
     ((1, 4096, 4096, 8, 2, 128), dict(is_causal=True), "recompute"),
     ((1, 4096, 4096, 8, 2, 128), dict(is_causal=True), "auto"),
     ((2, 1024, 1024, 4, 4, 128), dict(), "saved"),
@@ -411,7 +411,7 @@ def _check_grads(got, want, bound):
 @pytest.mark.parametrize("kind", ["normal", "qkv_channel_bias"])
 def test_gpu_mosaic_backward_matches_exact(shape, kwargs, stats, kind):
   """The Mosaic backward against exact gradients: cos > 0.999 by default
-  ("auto": the forward's P·V in FP16, δ from its output, dQ accumulated in
+  ("auto": the forward's P·V in BF16, δ from its output, dQ accumulated in
   the dK/dV kernel) and with exact statistics ("recompute"); "saved" after
   the FP8 forward carries its error in δ (benchmarks/NOTES.md B1: ≥ 0.995 at
   T ≥ 1k)."""

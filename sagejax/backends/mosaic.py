@@ -12,7 +12,7 @@ above 128, a negative ``scale``.
 
 Its backward (:mod:`sagejax.kernels.mosaic_backward`, 16-bit ``wgmma``)
 takes δ from the forward's saved output (``backward_stats="saved"``, and
-``"auto"``, whose differentiated forward runs P·V in FP16) and accumulates
+``"auto"``, whose differentiated forward runs P·V in 16 bits) and accumulates
 dQ in the dK/dV kernel by TMA reduce-add; or computes the exact softmax
 statistics in its dQ kernel from the saved LSE as an estimate
 (``"recompute"``; the forward is run for it when no LSE is given). Calls
