@@ -312,6 +312,10 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
         return visit_blocks(blocks, functools.partial(step, gi=gi), carry)
 
       dk, dv = lax.fori_loop(0, g, head, (_zeros(ROWS, h), _zeros(ROWS, h)))
+      if fused:  # the other consumer's last dS·K may still read our K rows
+        done = scratch[1][4]
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
       k_own[...] = (dk * sm_scale).astype(dk_ref.dtype)
       v_own[...] = dv.astype(dv_ref.dtype)
       plgpu.commit_smem()
@@ -362,7 +366,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
     if fused:
       smem += (wgmma_smem((2, 2 * ROWS, bq), dtype),  # dSᵀ of 2 steps
                wgmma_smem((2, ROWS, ROWS), jnp.float32))  # dQ halves
-      barriers += (plgpu.Barrier(num_arrivals=2, num_barriers=2),)
+      barriers += (plgpu.Barrier(num_arrivals=2, num_barriers=2),  # dSᵀ
+                   plgpu.Barrier(num_arrivals=2))  # both consumers done
     pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers,
                   collective_axes="wg")
 
