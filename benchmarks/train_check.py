@@ -22,8 +22,8 @@
 
 ``--mosaic-parts "block_q,block_kv,stages,regs_c,regs_p;..."`` instead times
 the Mosaic backward's pieces (the quantized forward, dK/dV, dQ with and
-without the exact statistics, the whole backward) under each tiling, then
-exits.
+without the exact statistics, the statistics alone, dK/dV with dQ fused,
+the whole recomputing backward) under each tiling, then exits.
 ``--variants``, ``--shapes`` and ``--check-variants`` narrow a run.
 
 Every variant runs under try/except (a failure is printed and recorded);
@@ -171,8 +171,8 @@ CHECK_SHAPES = [
     (1, 3000, 4, 1, 96, True, {"causal_alignment": "bottom_right",
                                "key_value_seq_lengths": (2900,)}),
 ]
-CHECK_VARIANTS = ["mosaic", "mosaic+saved", "default", "saved", "int8",
-                  "int8+saved", "atomic-dq"]
+CHECK_VARIANTS = ["mosaic", "mosaic+recompute", "mosaic+saved", "default",
+                  "saved", "int8", "int8+saved", "atomic-dq"]
 
 
 def variant(name):
@@ -243,9 +243,10 @@ TIME_SHAPES = [  # (H, S, causal), B=2, N=32
     (64, 16384, True),
 ]
 QUICK_SHAPES = [(128, 4096, False), (128, 4096, True), (64, 4096, False)]
-CORE = ["cudnn", "mosaic", "mosaic+saved", "default", "saved",
-        "implementation=None"]
-EXTRA = ["int8+saved", "recompute", "int8", "atomic-dq", "saved+atomic-dq",
+CORE = ["cudnn", "mosaic", "mosaic+recompute", "mosaic+saved", "default",
+        "saved", "implementation=None"]
+EXTRA = ["mosaic+unfused-dq", "mosaic+recompute+fused-dq", "int8+saved",
+         "recompute", "int8", "atomic-dq", "saved+atomic-dq",
          "int8+saved+atomic-dq", "fwd:cudnn", "fwd:sage2-8b"]
 
 
