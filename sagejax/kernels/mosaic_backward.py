@@ -189,9 +189,8 @@ def attention_backward(
   dk, dv = _dkdv(q, k, v, d_out, lse2, delta, *lengths, acc, **common)
   # Σ_j dS_ij = dLSE_i: the K mean's share of dQ.
   g = n // kh
-  dl = jnp.where(jnp.isfinite(lse2), d_lse, 0.0)
-  shift = dl[..., None] * jnp.repeat(k_mean.astype(jnp.float32), g,
-                                     axis=1)[:, :, None]
+  shift = d_lse[..., None] * jnp.repeat(k_mean.astype(jnp.float32), g,
+                                        axis=1)[:, :, None]
   if layout == "BTNH":
     shift = jnp.swapaxes(shift, 1, 2)
   dq = ((acc[...] + shift) * sm_scale).astype(q.dtype)

@@ -52,9 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sagejax import quant
-from sagejax.kernels._common import (key_blocks as _key_blocks,
-                                     layout_dims,
-                                     query_blocks as _query_blocks,
+from sagejax.kernels._common import (key_blocks, layout_dims, query_blocks,
                                      round_half_even, visit_blocks)
 from sagejax.masks import MaskSpec
 
@@ -110,9 +108,6 @@ class BackwardTiling:
 # ----------------------------------------------------------------------------
 # Which blocks a tile sees (kernels._common, the rule of masks.MaskSpec).
 # ----------------------------------------------------------------------------
-
-
-_visit = visit_blocks   # body(j, carry, masked) over head, middle, tail
 
 
 # ----------------------------------------------------------------------------
@@ -220,8 +215,8 @@ def _stats_kernel(q_ref, k_ref, v_ref, do_ref, dlse_ref, mask_ref, bias_ref,
   i = q_block_of(pl.program_id(0))
   q_len, kv_len = ql_ref[...], kl_ref[...]
   q_first = i * block_q
-  blocks = _key_blocks(spec, q_first, block_q, q_len, kv_len, block_k,
-                       num_kv_blocks, all_masked)
+  blocks = key_blocks(spec, q_first, block_q, q_len, kv_len, block_k,
+                      num_kv_blocks, all_masked)
   q = q_ref[...]
   rows = q_first + jnp.arange(block_q)
 
@@ -241,7 +236,7 @@ def _stats_kernel(q_ref, k_ref, v_ref, do_ref, dlse_ref, mask_ref, bias_ref,
   carry = (jnp.zeros((block_q, h), jnp.float32),
            jnp.full((block_q,), -_INF, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
-  acc, m, l = _visit(blocks, body, carry)
+  acc, m, l = visit_blocks(blocks, body, carry)
   seen = (l > 0) & (rows < q_len)
   l_safe = jnp.where(seen, l, 1.0)
   delta = jnp.sum(acc * do_ref[...].astype(jnp.float32), axis=1) / l_safe
@@ -267,8 +262,8 @@ def _dkdv_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_ref,
   j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q_len, kv_len = ql_ref[...], kl_ref[...]
   k_first = j * block_k
-  blocks = _query_blocks(spec, k_first, block_k, q_len, kv_len, block_q,
-                         num_q_blocks, all_masked)
+  blocks = query_blocks(spec, k_first, block_k, q_len, kv_len, block_q,
+                        num_q_blocks, all_masked)
   k = k_ref[...]
   v = v_ref[...]
   k_scale = ks_ref[...] if int8 else None
@@ -321,7 +316,7 @@ def _dkdv_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_ref,
     return dk, dv
 
   def head(g, carry):
-    return _visit(blocks, functools.partial(step, g), carry)
+    return visit_blocks(blocks, functools.partial(step, g), carry)
 
   h = k_ref.shape[-1]
   zeros = jnp.zeros((block_k, h), jnp.float32)
@@ -357,8 +352,8 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
   i = q_block_of(pl.program_id(0))
   q_len, kv_len = ql_ref[...], kl_ref[...]
   q_first = i * block_q
-  blocks = _key_blocks(spec, q_first, block_q, q_len, kv_len, block_k,
-                       num_kv_blocks, all_masked)
+  blocks = key_blocks(spec, q_first, block_q, q_len, kv_len, block_k,
+                      num_kv_blocks, all_masked)
   q = q_ref[...]
   q_scale = qs_ref[...] if int8 else None
   do = do_ref[...]
@@ -380,8 +375,8 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
           ds_scale * jnp.max(k_scale))
     return dq + _dot(ds.astype(k.dtype), k)
 
-  dq = _visit(blocks, body, jnp.zeros((block_q, q_ref.shape[-1]),
-                                      jnp.float32))
+  dq = visit_blocks(blocks, body, jnp.zeros((block_q, q_ref.shape[-1]),
+                                            jnp.float32))
   if dlse_ref is not None:  # Σ_j dS_ij = dLSE_i: the K mean's share
     dlse = jnp.where(lse2 < _INF, dlse_ref[...], 0.0)
     dq = dq + dlse[:, None] * kbar_ref[...][None, :]
