@@ -15,7 +15,7 @@ import pytest
 import sagejax
 from sagejax import PRESETS, SageConfig, _inputs, quant, testing
 from sagejax.backends import pallas_triton, xla
-from sagejax.kernels import triton_attention
+from sagejax.kernels import triton_attention, triton_quantize
 from sagejax.masks import MaskSpec
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -62,11 +62,14 @@ def test_quantize_kernels_match_quant(name, layout):
   got = pallas_triton.INTERPRET_BACKEND.prepare(call, config, TILING).qkv
   qc, kc, vc = call.canonical()
   want = quant.quantize(qc, kc, vc, config, call.sm_scale, None, kv_lengths)
-  for field in ("q", "k"):
-    np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+  np.testing.assert_array_equal(got.q, want.q)
+  # K's mean is summed in another order (token_statistics): a value may
+  # round the other way at an exact half, a scale differ in the last bits.
+  diff = np.abs(np.asarray(got.k, np.int32) - np.asarray(want.k, np.int32))
+  assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, diff.max()
   for field in ("q_scale", "k_scale", "v_scale"):
     np.testing.assert_allclose(getattr(got, field), getattr(want, field),
-                               rtol=1e-6)
+                               rtol=1e-5)
   gv = got.v
   if gv.dtype == quant.FP8_DTYPE:
     gv = jnp.swapaxes(gv, 2, 3)  # FP8 for FP8 tensor cores: [B, K, H, S]
@@ -79,6 +82,28 @@ def test_quantize_kernels_match_quant(name, layout):
   if want.delta_s is not None:
     np.testing.assert_allclose(got.delta_s, want.delta_s, rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+def test_token_statistics_match_quant(layout):
+  """K's mean and V's mean and max |V| in one interpreted pass == the
+  sagejax.quant reductions, with lengths and NaN/Inf tokens."""
+  _, k, v = _data(2, 8, 96, 2, 2, 64, kind="channel_bias", layout=layout)
+  t_ax = 1 if layout == "BTNH" else 2
+  k = k.at[(0, 5, 1) if t_ax == 1 else (0, 1, 5)].set(jnp.inf)
+  v = v.at[(1, 7, 0) if t_ax == 1 else (1, 0, 7)].set(jnp.nan)
+  lengths = jnp.array([96, 40], jnp.int32)
+  k_mean, v_mean, v_amax = triton_quantize.token_statistics(
+      k, v, lengths, layout=layout, block=32, k_mean=True, v_mean=True,
+      v_amax=True, interpret=True)
+  kc, vc = (_inputs.to_canonical(x, layout) for x in (k, v))
+  np.testing.assert_allclose(k_mean, quant.token_mean(kc, lengths),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(v_mean, quant.token_mean(vc, lengths),
+                             rtol=1e-5, atol=1e-6)
+  want = quant.abs_max(quant.zero_padding(vc, lengths), axis=-2)
+  np.testing.assert_array_equal(v_amax, want)
+  assert np.isinf(v_amax[1, 0]).any() and np.isfinite(v_amax[0]).all()
 
 
 MASKS = [

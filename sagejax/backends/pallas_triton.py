@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -77,14 +78,21 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
+def _stats_block(size: int) -> int:
+  """Tokens per program of :func:`triton_quantize.token_statistics`."""
+  return math.gcd(size, 128)
+
+
 def smoothed(x: jax.Array, lengths: jax.Array, layout: str, head_dim: int,
-             size: int) -> tuple[jax.Array, jax.Array]:
+             size: int, interpret: bool = False
+             ) -> tuple[jax.Array, jax.Array]:
   """K or V minus its mean over the valid tokens, in its dtype and layout,
   padded to ``head_dim`` and ``size`` tokens; and the f32 mean ``[B, K,
   head_dim]``."""
-  mean = pad_axis(quant.token_mean(to_canonical(x, layout), lengths), 2,
-                  head_dim)
   x = pad_axis(pad_axis(x, 3, head_dim), 1 if layout == "BTNH" else 2, size)
+  mean = triton_quantize.token_statistics(
+      x, None, lengths, layout=layout, block=_stats_block(size),
+      interpret=interpret)[0]
   bcast = mean[:, None] if layout == "BTNH" else mean[:, :, None]
   return (x.astype(jnp.float32) - bcast).astype(x.dtype), mean
 
@@ -142,20 +150,20 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   q_lengths = quant.valid_lengths(call.q_lengths, b, t)
   kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
 
-  # Reductions over all tokens (XLA, fused with the transposes).
-  k_mean = None
-  k_canon = to_canonical(k, layout)
-  if config.smooth_k:
-    k_mean = quant.token_mean(k_canon, kv_lengths)
-  v_canon = to_canonical(v, layout)
-  v_mean = quant.token_mean(v_canon, kv_lengths) if config.smooth_v else None
-  if config.pv_dtype == "fp8_e4m3":
-    centred = v_canon.astype(jnp.float32)
-    if v_mean is not None:
+  # Reductions over all tokens: one pass over K and V (V's max of the
+  # centred values needs V's mean first: XLA then).
+  fp8 = config.pv_dtype == "fp8_e4m3"
+  k_mean, v_mean, v_amax = triton_quantize.token_statistics(
+      k, v, kv_lengths, layout=layout, block=config.block_k,
+      k_mean=config.smooth_k, v_mean=config.smooth_v,
+      v_amax=fp8 and not config.smooth_v, interpret=interpret)
+  if fp8:
+    if v_amax is None:
+      centred = to_canonical(v, layout).astype(jnp.float32)
       centred = centred - v_mean[..., None, :]
-    v_scale = quant.scale_from_amax(
-        quant.abs_max(quant.zero_padding(centred, kv_lengths), axis=-2),
-        quant.FP8_MAX)
+      v_amax = quant.abs_max(quant.zero_padding(centred, kv_lengths),
+                             axis=-2)
+    v_scale = quant.scale_from_amax(v_amax, quant.FP8_MAX)
   else:  # ones, NaN for a non-finite channel (from the V kernel below)
     v_scale = jnp.ones((b, kh, head_dim), jnp.float32)
 
@@ -169,13 +177,13 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
       v, kv_lengths, v_mean, v_scale, config=config, layout=layout,
       transpose=v_transposed, store_dtype=v_store_dtype,
       wgmma_key_order=v_wgmma_key_order, interpret=interpret,
-      return_nonfinite=config.pv_dtype != "fp8_e4m3")
-  if config.pv_dtype != "fp8_e4m3":
+      return_nonfinite=not fp8)
+  if not fp8:
     v_vals, nonfinite = v_vals
     v_scale = jnp.where(jnp.max(nonfinite, axis=2) > 0, jnp.nan, v_scale)
   delta_s = None
   if q_bmean is not None:
-    k_smoothed = k_canon.astype(jnp.float32)
+    k_smoothed = to_canonical(k, layout).astype(jnp.float32)
     if k_mean is not None:
       k_smoothed = k_smoothed - k_mean[..., None, :]
     delta_s = quant.delta_scores(
@@ -338,7 +346,8 @@ class _PallasTritonBackend:
     q_lengths = quant.valid_lengths(call.q_lengths, b, t)
     kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
     # K smoothed (K − k̄) in its dtype; lse₂ of the smoothed logits.
-    kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
+    kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad,
+                          interpret=self.interpret)
     shift = quant.lse_shift(
         quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
         k_mean[..., :h], call.sm_scale)

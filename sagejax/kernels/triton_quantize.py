@@ -6,7 +6,9 @@ quantized block in the layout the attention kernel reads. The math is
 :mod:`sagejax.quant`'s, and so is the group layout: the kernels call
 :func:`sagejax.quant.group_max` on their block of rows, never re-deriving
 it. Reductions over *all* tokens (K's and V's means, V's per-channel max) are
-computed by XLA beforehand and passed in. Non-finite inputs follow
+made first by :func:`token_statistics` (one pass over K and V in their own
+layout, per-block partials that XLA finishes) and passed in. Non-finite
+inputs follow
 :mod:`sagejax.quant`'s rules (NaN scales, values 0), read with comparisons
 since Triton's ``max`` ignores NaN.
 """
@@ -211,3 +213,72 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
       name="sage_quantize_v",
   )(v, lengths, mean, scale)
   return (values, bad) if return_nonfinite else values
+
+
+def _token_statistics_kernel(k_ref, v_ref, len_ref, k_sum_ref, v_sum_ref,
+                             v_amax_ref, *, block: int):
+  i = pl.program_id(0)
+  valid = ((i * block + jnp.arange(block)) < len_ref[...])[:, None]
+  if k_sum_ref is not None:
+    k = quant.finite_part(k_ref[...].astype(jnp.float32))
+    k_sum_ref[...] = jnp.sum(jnp.where(valid, k, 0.0), axis=0)
+  if v_ref is not None:
+    v = v_ref[...].astype(jnp.float32)
+    if v_sum_ref is not None:
+      v_sum_ref[...] = jnp.sum(jnp.where(valid, quant.finite_part(v), 0.0),
+                               axis=0)
+    if v_amax_ref is not None:  # NaN read as +inf (quant.abs_max)
+      a = jnp.abs(jnp.where(valid, v, 0.0))
+      v_amax_ref[...] = jnp.max(jnp.where(a < jnp.inf, a, jnp.inf), axis=0)
+
+
+def token_statistics(k: jax.Array, v: Optional[jax.Array],
+                     lengths: jax.Array, *, layout: str, block: int,
+                     k_mean: bool = True, v_mean: bool = False,
+                     v_amax: bool = False, interpret: bool = False):
+  """K's and V's reductions over all valid tokens in one pass, read in place.
+
+  A program reads one block of tokens of one KV head of K and V and writes
+  its partial sums / maxima; XLA reduces the ``S / block`` partials. What
+  :func:`sagejax.quant.token_mean` and :func:`sagejax.quant.abs_max` of the
+  zero-padded tokens compute, without XLA's transposed reductions.
+
+  Args:
+    k, v: ``[B, S, K, H]`` (``layout="BTNH"``) or ``[B, K, S, H]``; ``v``
+      may be None when only ``k_mean`` is asked for; S a multiple of
+      ``block``.
+    lengths: int32 ``[B]`` valid tokens.
+    k_mean, v_mean: K's / V's mean over the valid tokens (non-finite values
+      count as 0).
+    v_amax: max |V| per channel over the valid tokens (+inf where one is NaN
+      or infinite).
+
+  Returns:
+    ``(k_mean, v_mean, v_amax)``, each f32 ``[B, K, H]`` or None.
+  """
+  if layout == "BTNH":
+    b, s, kh, h = k.shape
+  else:
+    b, kh, s, h = k.shape
+  if s % block:
+    raise ValueError(f"{s} tokens is not a multiple of block={block}.")
+  nb = s // block
+  partial = jax.ShapeDtypeStruct((b, kh, nb, h), jnp.float32)
+  spec = pl.BlockSpec((None, None, None, h), lambda i, bb, nn: (bb, nn, i, 0))
+  wanted = (k_mean, v_mean and v is not None, v_amax and v is not None)
+  kernel = functools.partial(_token_statistics_kernel, block=block)
+  k_sum, v_sum, amax = pl.pallas_call(
+      kernel, grid=(nb, b, kh),
+      in_specs=[_token_spec(layout, block, h),
+                None if v is None else _token_spec(layout, block, h),
+                pl.BlockSpec((None,), lambda i, bb, nn: (bb,))],
+      out_specs=[spec if w else None for w in wanted],
+      out_shape=[partial if w else None for w in wanted],
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      name="sage_token_statistics",
+  )(k, v, lengths)
+  count = jnp.clip(lengths, 1, s).astype(jnp.float32)[:, None, None]
+  return (None if k_sum is None else jnp.sum(k_sum, axis=2) / count,
+          None if v_sum is None else jnp.sum(v_sum, axis=2) / count,
+          None if amax is None else jnp.max(amax, axis=2))
