@@ -320,10 +320,11 @@ def speed(results, quick, shapes=None, variants=None):
       del args
 
 
-def mosaic_parts(results, shapes, tilings):
+def mosaic_parts(results, shapes, tilings, parts=None):
   """The Mosaic backward's pieces alone (BTNH, B=2, N=32): the quantized
   forward, the dK/dV and dQ kernels under each tiling, and the whole backward
-  as the custom VJP runs it (the forward's LSE as the statistics' estimate)."""
+  as the custom VJP runs it (the forward's LSE as the statistics' estimate);
+  ``parts``: the part names to time (default all)."""
   b, n = 2, 32
   f32 = jnp.float32
   for h, s, causal in shapes:
@@ -374,6 +375,8 @@ def mosaic_parts(results, shapes, tilings):
       # pylint: enable=protected-access
     fl = 4.0 * b * n * s * s * h / (2 if causal else 1)
     for name, (fn, args) in fns.items():
+      if parts is not None and name.split()[0] not in parts:
+        continue
       if elapsed() > BUDGET_S:
         results.append({"part": name, "status": "skipped: time budget"})
         continue
@@ -478,6 +481,9 @@ def main():
   p.add_argument("--mosaic-parts", default=None,
                  help='time the Mosaic backward\'s pieces under tilings '
                  '"block_q,block_kv,stages,regs_c,regs_p;..." (then exit)')
+  p.add_argument("--parts", default=None,
+                 help="with --mosaic-parts: comma-separated part names to "
+                 'time (e.g. "dkdv+dq,backward"; default all)')
   args = p.parse_args()
   if args.check_variants:
     CHECK_VARIANTS[:] = args.check_variants.split(",")
@@ -502,7 +508,8 @@ def main():
                for x in args.mosaic_parts.split(";") if x]
     report["parts"] = []
     mosaic_parts(report["parts"], shapes or QUICK_SHAPES,
-                 tilings or [MosaicBackwardTiling()])
+                 tilings or [MosaicBackwardTiling()],
+                 args.parts.split(",") if args.parts else None)
     save()
     for r in report["parts"]:
       if r.get("status") == "ok":

@@ -217,6 +217,42 @@ def test_saved_statistics(qkv, next_key):
       assert testing.error_metrics(g, canon(w))["cos_sim"] > 0.999
 
 
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+def test_saved_statistics_kernel(qkv, next_key, layout):
+  """lse₂ and δ of the Mosaic backward's one-pass kernel (interpreted) ==
+  the formulas on the forward's LSE and output: the row shift q·k̄ taken
+  out, −inf rows unseen (lse₂ +inf, δ 0), a NaN LSE kept."""
+  from sagejax import quant  # pylint: disable=g-import-not-at-top
+  from sagejax.kernels import triton_backward  # pylint: disable=g-import-not-at-top
+  b, t, n, kh, h = 2, 128, 4, 2, 64
+  q, _, _ = qkv(b, t, t, n, kh, h, kind="qkv_channel_bias", layout=layout)
+  out, d_out, _ = qkv(b, t, t, n, n, h, layout=layout)
+  k_mean = 3.0 * jax.random.normal(next_key(), (b, kh, h), jnp.float32)
+  lse = 5.0 * jax.random.normal(next_key(), (b, n, t), jnp.float32)
+  lse = lse.at[0, 1, 7].set(-jnp.inf).at[1, 2, 9].set(jnp.nan)
+  d_lse = jax.random.normal(next_key(), (b, n, t), jnp.float32)
+  q_lengths = jnp.array([t, 100], jnp.int32)
+  lse2, delta = triton_backward.saved_statistics(
+      q, lse, k_mean, q_lengths=q_lengths, sm_scale=h ** -0.5,
+      layout=layout, out=out, d_out=d_out, d_lse=d_lse, interpret=True)
+  canon = lambda x: _inputs.to_canonical(x, layout).astype(jnp.float32)
+  smoothed = lse - quant.lse_shift(quant.zero_padding(canon(q), q_lengths),
+                                   k_mean, h ** -0.5)
+  seen = smoothed != -jnp.inf
+  want_lse2 = jnp.where(seen, smoothed * quant.LOG2E, jnp.inf)
+  want_delta = jnp.where(
+      seen, jnp.sum(canon(out) * canon(d_out), -1) - d_lse, 0.0)
+  np.testing.assert_allclose(lse2, want_lse2, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(delta, want_delta, rtol=1e-5, atol=1e-4)
+  assert lse2[0, 1, 7] == jnp.inf and delta[0, 1, 7] == 0
+  assert np.isnan(lse2[1, 2, 9])  # and reaches the gradients through P
+  lse2_alone, none = triton_backward.saved_statistics(
+      q, lse, k_mean, q_lengths=q_lengths, sm_scale=h ** -0.5,
+      layout=layout, interpret=True)
+  assert none is None
+  np.testing.assert_array_equal(lse2_alone, lse2)
+
+
 def test_int8_backward_accuracy(qkv, next_key):
   """SageBwd's INT8 backward: within its measured error of exact."""
   config = RECOMPUTE.replace(backward_int8=True)

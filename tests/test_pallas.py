@@ -82,6 +82,11 @@ def test_quantize_kernels_match_quant(name, layout):
   if want.delta_s is not None:
     np.testing.assert_allclose(got.delta_s, want.delta_s, rtol=1e-5,
                                atol=1e-5)
+  # The Q kernel's row shifts q·k̄ (the LSE of smoothed K's correction).
+  assert (got.lse_shift is None) == (want.lse_shift is None)
+  if want.lse_shift is not None:
+    np.testing.assert_allclose(got.lse_shift, want.lse_shift, rtol=1e-5,
+                               atol=1e-4)
 
 
 @pytest.mark.parametrize("layout", ["BTNH", "BNTH"])

@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 
 from sagejax import quant
-from sagejax._inputs import ParsedCall, to_canonical
+from sagejax._inputs import ParsedCall
 from sagejax.backends._device import gpu_compute_capability
 from sagejax.backends.pallas_triton import (Prepared, pad_axis,
                                             quantize_inputs, smoothed)
 from sagejax.config import SageConfig
-from sagejax.kernels import mosaic_backward
+from sagejax.kernels import mosaic_backward, triton_backward
 from sagejax.kernels._common import next_pow2
 from sagejax.kernels.mosaic_attention import MosaicTiling, attention_forward
 from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
@@ -193,20 +193,15 @@ class _MosaicBackend:
     q, do = pad(call.q), pad(d_out)
     if lse is None:  # the estimate jax.grad keeps: the quantized forward's
       lse = self.forward(call, config)[1]
-    # The LSE of the smoothed logits: minus the row shift q·k̄.
-    lse = vec(lse - quant.lse_shift(
-        quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
-        k_mean[..., :h], call.sm_scale), -jnp.inf)
-    seen = lse != -jnp.inf  # a NaN LSE stays NaN (and reaches the grads)
-    lse2 = jnp.where(seen, lse * quant.LOG2E, jnp.inf)
+    # One pass over Q (and O, dO): lse₂ of the smoothed logits (the LSE
+    # minus the row shift q·k̄) and δ = rowsum(dO ∘ O) − dLSE.
+    lse2, delta = triton_backward.saved_statistics(
+        q, vec(lse, -jnp.inf), k_mean, q_lengths=q_lengths,
+        sm_scale=call.sm_scale, layout=layout,
+        out=None if out is None else pad(out), d_out=do,
+        d_lse=None if d_lse is None else vec(d_lse))
     dl = jnp.zeros_like(lse2) if d_lse is None else jnp.where(
-        seen, vec(d_lse), 0.0)
-    delta = None  # the dQ kernel makes the exact statistics
-    if out is not None:  # saved: δ = rowsum(dO ∘ O) − dLSE
-      delta = jnp.sum(do.astype(f32) * pad(out).astype(f32), -1)
-      if layout == "BTNH":
-        delta = jnp.swapaxes(delta, 1, 2)
-      delta = jnp.where(seen, delta - dl, 0.0)
+        lse2 != jnp.inf, vec(d_lse), 0.0)  # a seen row (NaN kept)
     dq, dk, dv = mosaic_backward.attention_backward(
         q, kc, vc, do, lse2, delta, dl, k_mean, call.spec,
         sm_scale=call.sm_scale, layout=layout, q_lengths=q_lengths,

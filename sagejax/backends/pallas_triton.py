@@ -1,9 +1,10 @@
 """The ``"pallas"`` backend: Pallas kernels lowered through Triton (sm80+).
 
-Three quantization kernels (:mod:`sagejax.kernels.triton_quantize`) read Q, K
-and V in the caller's layout and write the quantized tensors; XLA computes the
-few reductions over all tokens (K's mean, V's mean and per-channel max) and,
-for smoothed Q, ΔS. The fused attention kernel
+Quantization kernels (:mod:`sagejax.kernels.triton_quantize`) read Q, K and V
+in the caller's layout: one pass makes the reductions over all tokens (K's
+mean, V's mean and per-channel max), then one kernel per tensor writes the
+quantized values (the Q kernel also the LSE's row shift q·k̄); XLA computes
+ΔS for smoothed Q. The fused attention kernel
 (:mod:`sagejax.kernels.triton_attention`) writes the output straight into the
 caller's layout.
 """
@@ -167,10 +168,12 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   else:  # ones, NaN for a non-finite channel (from the V kernel below)
     v_scale = jnp.ones((b, kh, head_dim), jnp.float32)
 
-  q_vals, q_scale, q_bmean = triton_quantize.quantize_qk(
+  # The Q kernel also makes the LSE shift q·k̄ (no second read of Q).
+  q_vals, q_scale, q_bmean, lse_shift = triton_quantize.quantize_qk(
       q, q_lengths, None, role="q", config=config, layout=layout,
-      scale_mult=call.sm_scale * quant.LOG2E, interpret=interpret)
-  k_vals, k_scale, _ = triton_quantize.quantize_qk(
+      scale_mult=call.sm_scale * quant.LOG2E, k_mean=k_mean,
+      shift_mult=call.sm_scale, interpret=interpret)
+  k_vals, k_scale, _, _ = triton_quantize.quantize_qk(
       k, kv_lengths, k_mean, role="k", config=config, layout=layout,
       interpret=interpret)
   v_vals = triton_quantize.quantize_v(
@@ -188,11 +191,8 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
       k_smoothed = k_smoothed - k_mean[..., None, :]
     delta_s = quant.delta_scores(
         q_bmean, quant.zero_padding(k_smoothed, kv_lengths), call.sm_scale)
-  lse_shift = None
-  if k_mean is not None:
-    lse_shift = quant.lse_shift(
-        quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
-        k_mean, call.sm_scale)
+  if lse_shift is not None:
+    lse_shift = lse_shift[:, :, :t]
   qkv = quant.QuantizedQKV(q=q_vals, q_scale=q_scale, k=k_vals,
                            k_scale=k_scale, v=v_vals, v_scale=v_scale,
                            v_mean=v_mean, delta_s=delta_s, lse_shift=lse_shift)
@@ -394,9 +394,9 @@ class _PallasTritonBackend:
     quantize = functools.partial(triton_quantize.quantize_qk,
                                  config=per_block, layout=layout,
                                  interpret=self.interpret)
-    q8, qs, _ = quantize(q, q_lengths, None, role="q")
-    k8, ks, _ = quantize(k, kv_lengths, k_mean, role="k")
-    do8, dos, _ = quantize(do, q_lengths, None, role="q")
+    q8, qs = quantize(q, q_lengths, None, role="q")[:2]
+    k8, ks = quantize(k, kv_lengths, k_mean, role="k")[:2]
+    do8, dos = quantize(do, q_lengths, None, role="q")[:2]
     return triton_backward.Int8Operands(q=q8, q_scale=qs, k=k8, k_scale=ks,
                                         do=do8, do_scale=dos)
 

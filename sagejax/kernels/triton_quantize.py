@@ -37,17 +37,22 @@ def _token_spec(layout: str, block: int, h: int, head_of=lambda n: n):
                       lambda i, b, n: (b, head_of(n), i, 0))
 
 
-def _quantize_qk_kernel(x_ref, len_ref, mean_ref, val_ref, scale_ref,
-                        bmean_ref, *, block: int, chunks: int,
-                        config: SageConfig, role: str, scale_mult: float,
+def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, val_ref,
+                        scale_ref, bmean_ref, shift_ref, *, block: int,
+                        chunks: int, config: SageConfig, role: str,
+                        scale_mult: float, shift_mult: float,
                         interpret: bool):
   i = pl.program_id(0)
   length = len_ref[...]
   valid = ((i * block + jnp.arange(block)) < length)[:, None]
   hc = x_ref.shape[-1] // chunks
   xs = []
+  shift = None
   for c in range(chunks):
     x = jnp.where(valid, x_ref[:, pl.ds(c * hc, hc)].astype(jnp.float32), 0.0)
+    if kbar_ref is not None:  # Q: q·k̄ of each row (quant.lse_shift)
+      part = jnp.sum(x * kbar_ref[pl.ds(c * hc, hc)][None, :], axis=1)
+      shift = part if shift is None else shift + part
     if mean_ref is not None:  # K: the mean over all tokens, from XLA.
       x = x - mean_ref[pl.ds(c * hc, hc)][None, :]
     if bmean_ref is not None:  # Q: the mean of this block's valid rows.
@@ -70,11 +75,14 @@ def _quantize_qk_kernel(x_ref, len_ref, mean_ref, val_ref, scale_ref,
   else:
     val_ref[...] = ys[0]
   scale_ref[...] = scale * scale_mult
+  if shift_ref is not None:
+    shift_ref[...] = shift * shift_mult
 
 
 def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                 *, role: str, config: SageConfig, layout: str,
-                scale_mult: float = 1.0, interpret: bool = False):
+                scale_mult: float = 1.0, k_mean: Optional[jax.Array] = None,
+                shift_mult: float = 1.0, interpret: bool = False):
   """Quantizes Q or K, one block of tokens of one head per program.
 
   Args:
@@ -85,10 +93,15 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
       For Q with ``config.smooth_q`` each block's own mean is subtracted.
     role: ``"q"`` or ``"k"``.
     scale_mult: folded into the scales (``sm_scale·log2(e)`` for Q).
+    k_mean: Q only: f32 ``[B, K, H]`` (K's mean; N a multiple of K): also
+      return each row's ``shift_mult · q·k̄`` of its KV head, what
+      :func:`sagejax.quant.lse_shift` computes (unsmoothed Q, rows past
+      ``lengths`` 0), without reading Q again.
 
   Returns:
     (values int8 ``[B, N, T, H]`` or INT4-packed ``[B, N, T, H/2]``, scales
-    f32 ``[B, N, T]``, Q block means f32 ``[B, N, T/block_q, H]`` or None).
+    f32 ``[B, N, T]``, Q block means f32 ``[B, N, T/block_q, H]`` or None,
+    row shifts f32 ``[B, N, T]`` or None).
   """
   if layout == "BTNH":
     b, t, n, h = x.shape
@@ -98,9 +111,13 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
   nb = t // block
   chunks = 2 if config.qk_dtype == "int4" else 1
   block_means = role == "q" and config.smooth_q
+  if k_mean is not None and role != "q":
+    raise ValueError("k_mean (the LSE shift) is for role='q' only.")
+  g = None if k_mean is None else n // k_mean.shape[1]
   kernel = functools.partial(
       _quantize_qk_kernel, block=block, chunks=chunks, config=config,
-      role=role, scale_mult=float(scale_mult), interpret=interpret)
+      role=role, scale_mult=float(scale_mult), shift_mult=float(shift_mult),
+      interpret=interpret)
   out_shape = [jax.ShapeDtypeStruct((b, n, t, h // chunks), jnp.int8),
                jax.ShapeDtypeStruct((b, n, t), jnp.float32)]
   out_specs = [pl.BlockSpec((None, None, block, h // chunks),
@@ -113,19 +130,28 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
   else:
     out_shape.append(None)
     out_specs.append(None)
+  if k_mean is not None:
+    out_shape.append(jax.ShapeDtypeStruct((b, n, t), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, block),
+                                  lambda i, bb, nn: (bb, nn, i)))
+  else:
+    out_shape.append(None)
+    out_specs.append(None)
   in_specs = [
       _token_spec(layout, block, h),
       pl.BlockSpec((None,), lambda i, bb, nn: (bb,)),
       None if mean is None else pl.BlockSpec((None, None, h),
                                              lambda i, bb, nn: (bb, nn, 0)),
+      None if k_mean is None else pl.BlockSpec(
+          (None, None, h), lambda i, bb, nn: (bb, nn // g, 0)),
   ]
-  values, scales, means = pl.pallas_call(
+  values, scales, means, shifts = pl.pallas_call(
       kernel, grid=(nb, b, n), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       name=f"sage_quantize_{role}",
-  )(x, lengths, mean)
-  return values, scales, means
+  )(x, lengths, mean, k_mean)
+  return values, scales, means, shifts
 
 
 def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref,
