@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -79,11 +78,6 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
-def _stats_block(size: int) -> int:
-  """Tokens per program of :func:`triton_quantize.token_statistics`."""
-  return math.gcd(size, 128)
-
-
 def smoothed(x: jax.Array, lengths: jax.Array, layout: str, head_dim: int,
              size: int, interpret: bool = False
              ) -> tuple[jax.Array, jax.Array]:
@@ -91,9 +85,8 @@ def smoothed(x: jax.Array, lengths: jax.Array, layout: str, head_dim: int,
   padded to ``head_dim`` and ``size`` tokens; and the f32 mean ``[B, K,
   head_dim]``."""
   x = pad_axis(pad_axis(x, 3, head_dim), 1 if layout == "BTNH" else 2, size)
-  mean = triton_quantize.token_statistics(
-      x, None, lengths, layout=layout, block=_stats_block(size),
-      interpret=interpret)[0]
+  mean = triton_quantize.token_statistics(x, None, lengths, layout=layout,
+                                         interpret=interpret)[0]
   bcast = mean[:, None] if layout == "BTNH" else mean[:, :, None]
   return (x.astype(jnp.float32) - bcast).astype(x.dtype), mean
 
@@ -155,9 +148,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   # centred values needs V's mean first: XLA then).
   fp8 = config.pv_dtype == "fp8_e4m3"
   k_mean, v_mean, v_amax = triton_quantize.token_statistics(
-      k, v, kv_lengths, layout=layout, block=config.block_k,
-      k_mean=config.smooth_k, v_mean=config.smooth_v,
-      v_amax=fp8 and not config.smooth_v, interpret=interpret)
+      k, v, kv_lengths, layout=layout, k_mean=config.smooth_k,
+      v_mean=config.smooth_v, v_amax=fp8 and not config.smooth_v,
+      interpret=interpret)
   if fp8:
     if v_amax is None:
       centred = to_canonical(v, layout).astype(jnp.float32)

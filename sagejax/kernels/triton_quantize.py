@@ -16,6 +16,7 @@ since Triton's ``max`` ignores NaN.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -259,8 +260,8 @@ def _token_statistics_kernel(k_ref, v_ref, len_ref, k_sum_ref, v_sum_ref,
 
 
 def token_statistics(k: jax.Array, v: Optional[jax.Array],
-                     lengths: jax.Array, *, layout: str, block: int,
-                     k_mean: bool = True, v_mean: bool = False,
+                     lengths: jax.Array, *, layout: str,
+                     block: Optional[int] = None, k_mean: bool = True, v_mean: bool = False,
                      v_amax: bool = False, interpret: bool = False):
   """K's and V's reductions over all valid tokens in one pass, read in place.
 
@@ -271,9 +272,10 @@ def token_statistics(k: jax.Array, v: Optional[jax.Array],
 
   Args:
     k, v: ``[B, S, K, H]`` (``layout="BTNH"``) or ``[B, K, S, H]``; ``v``
-      may be None when only ``k_mean`` is asked for; S a multiple of
-      ``block``.
+      may be None when only ``k_mean`` is asked for.
     lengths: int32 ``[B]`` valid tokens.
+    block: tokens per program, dividing S; default the largest power of
+      two up to 64 that does.
     k_mean, v_mean: K's / V's mean over the valid tokens (non-finite values
       count as 0).
     v_amax: max |V| per channel over the valid tokens (+inf where one is NaN
@@ -286,6 +288,7 @@ def token_statistics(k: jax.Array, v: Optional[jax.Array],
     b, s, kh, h = k.shape
   else:
     b, kh, s, h = k.shape
+  block = block or math.gcd(s, 64)
   if s % block:
     raise ValueError(f"{s} tokens is not a multiple of block={block}.")
   nb = s // block
