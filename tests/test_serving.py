@@ -18,6 +18,7 @@ Tolerances (rel-L2 over the valid rows; measured values in brackets):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -275,6 +276,31 @@ def test_smoothing_is_fixed_by_the_first_append(next_key):
                          jnp.asarray([5, 3], jnp.int32))
   np.testing.assert_array_equal(cache.k_smooth, before[0])
   np.testing.assert_array_equal(cache.v_smooth, before[1])
+
+
+def test_quantized_values_are_stored_transposed(next_key):
+  """FP8 V pages are [K, P, H, page_size]: token t of page p is column
+  v_pages[:, p, :, t], its K and scales as in the untransposed layout."""
+  _, k, v = map(jnp.asarray, _tokens(next_key(), 2, 1, 21, 2, 2, 32,
+                                      "channel_bias"))
+  table = jnp.asarray([[3, 0], [1, 2]], jnp.int32)
+  cache = serving.PagedKVCache.create(num_pages=4, page_size=16,
+                                      num_kv_heads=2, head_dim=32)
+  assert cache.v_transposed and cache.v_pages.shape == (2, 4, 32, 16)
+  cache = serving.append(cache, k, v, table, jnp.asarray([0, 5], jnp.int32),
+                         num_new=jnp.asarray([21, 9], jnp.int32))
+  v8, vs = cache_lib.quantize_values(v, cache.v_smooth)   # [B, T, K, H]
+  for b, t, pos in ((0, 0, 0), (0, 20, 20), (1, 3, 8), (1, 8, 13)):
+    page, slot = int(table[b, pos // 16]), pos % 16
+    np.testing.assert_array_equal(
+        np.asarray(cache.v_pages[:, page, :, slot], np.float32),
+        np.asarray(v8[b, t], np.float32))
+    np.testing.assert_array_equal(cache.v_scales[:, page, slot], vs[b, t])
+  rows = cache.gather("v_pages", table)                    # [B, 32, K, H]
+  np.testing.assert_array_equal(np.asarray(rows[0, :21], np.float32),
+                                np.asarray(v8[0], np.float32))
+  with pytest.raises(ValueError, match="KPSH"):
+    dataclasses.replace(cache, layout="PSKH")
 
 
 def test_quantized_cache_error_on_outlier_data(next_key):

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sagejax.backends._device import gpu_compute_capability
 from sagejax.config import ConfigLike, SageConfig, resolve_config
 from sagejax.serving import reference, triton_paged
 from sagejax.serving.cache import (
@@ -34,32 +35,56 @@ IMPLEMENTATIONS = ("pallas", "xla")
 
 SERVING_CONFIG = SageConfig(qk_granularity="per_token", pv_dtype="fp16")
 """The default: INT8 Q·Kᵀ (Q per row, K per token), FP16 P·V with the FP8 V
-values (exact in FP16); FP8 P (``pv_dtype="fp8_e4m3"``) is no faster on the
-FP16 tensor cores the kernel multiplies on, and adds P's rounding."""
+values (exact in FP16); FP8 P (``pv_dtype="fp8_e4m3"``, on FP8 tensor cores
+against the transposed V pages) is no faster (H100 decode 1-3% slower, extend
+slower) and adds P's rounding."""
 
 
 
 @functools.cache
 def _target_programs() -> int:
-  """Programs the automatic split count aims at: two per SM (H100/H200: 132
-  SMs), the device's own count when it reports one."""
+  """Programs the automatic split count aims at: four per SM (H100/H200: 132
+  SMs; the device's own count when it reports one). Measured on an H100
+  (B=8 × 32k decode): 8-16 splits ran in 0.78x the time of 5."""
   try:
     sms = int(getattr(jax.devices()[0], "core_count", 0) or 0)
   except (RuntimeError, TypeError, ValueError):
     sms = 0
-  return 2 * (sms if sms > 1 else 132)
+  return 4 * (sms if sms > 1 else 132)
+
+
+@functools.cache
+def _hopper() -> bool:
+  cc = gpu_compute_capability()
+  return cc is not None and cc >= 9.0
 
 
 def default_tiling(page_size: int, groups: int, decode: bool,
-                   quantized: bool = True) -> PagedTiling:
+                   quantized: bool = True, head_dim: int = 128
+                   ) -> PagedTiling:
   """Decode: one query token per program (rows: the GQA group padded to 16),
   keys split over programs; extend: about 128 rows (tokens × group heads)
-  against 128 keys per step, as the dense kernel's best H=128 tile. 16-bit
-  pages need smaller tiles: the quantized pages' tiles ask 256 KiB of shared
-  memory at H=128 on an H200, above the 227 KiB a block gets (decode: 2
-  stages; extend: 64 keys; both pass the GPU tests)."""
+  against 128 keys per step, as the dense kernel's best H=128 tile.
+
+  Decode on sm90: 64 keys per step, 5 stages, 4 warps for 8-bit pages and
+  2 for 16-bit ones (the best of grids over 32-256 keys, 1-8 warps and 2-7
+  stages on an H100, GQA 32/8, H=128, B × tokens 32 × 4k, 32 × 16k,
+  8 × 32k: decode is bound by the latency of its loads and by instructions
+  per key, so a deep ring of small tiles wins;
+  ``benchmarks/decode_tuning.py``, NOTES.md). Elsewhere the earlier
+  tiles (4 warps, 3 stages for 8-bit pages, 2 for 16-bit: the 5-stage ring
+  needs 160 KiB of shared memory with 16-bit pages). Extend: 16-bit pages
+  need smaller tiles: the quantized pages' tiles ask 256 KiB of shared
+  memory at H=128 on an H200, above the 227 KiB a block gets."""
   if decode:
-    return PagedTiling(block_q=1, block_k=max(64, page_size), num_warps=4,
+    block_k = max(64, page_size)
+    if _hopper():
+      # K and V tiles of one stage; at most ~200 KiB for the ring.
+      stage = 2 * block_k * max(16, head_dim) * (1 if quantized else 2)
+      return PagedTiling(block_q=1, block_k=block_k,
+                         num_warps=4 if quantized else 2,
+                         num_stages=max(2, min(5, (200 << 10) // stage)))
+    return PagedTiling(block_q=1, block_k=block_k, num_warps=4,
                        num_stages=3 if quantized else 2)
   gp = 1 << max(0, (groups - 1).bit_length())
   # 16-bit pages: 128-key tiles asked 256 KiB at 2 stages on an H200.
@@ -351,7 +376,7 @@ def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
   config = _resolve_config(config, cache)
   if tiling is None:
     tiling = default_tiling(cache.page_size, q.shape[-2] // cache.num_kv_heads,
-                            decode, cache.quantized)
+                            decode, cache.quantized, cache.head_dim)
   sm_scale = 1.0 / _math.sqrt(cache.head_dim) if scale is None else float(
       scale)
   if logits_soft_cap is not None and not logits_soft_cap > 0:

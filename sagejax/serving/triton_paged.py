@@ -14,7 +14,8 @@ the page table and gathers K, V and their scales straight from the pool:
   [soft-cap, causal bottom-right + window mask on edge blocks]
   m' = max(m, rowmax s);  p̃ = exp2(s − m');  l' = l·2^(m−m') + rowsum p̃
   c  = max(v_scale over the block);  P' = p̃ · v_scale / c ∈ [0, 1]
-  acc = acc·2^(m−m') + c · (round(P') · v_fp8)     (FP8 values on FP16 MMA)
+  acc = acc·2^(m−m') + c · (round(P') · v_fp8)     (FP8 tensor cores on
+       transposed V pages [H, page_size]; FP16 ones on [page_size, H] pages)
 
 Queries are quantized to INT8 per row inside the kernel. Each split writes
 its normalized output and base-2 LSE; with one split the program writes the
@@ -23,8 +24,8 @@ final output (plus ``v_smooth``). The arithmetic is
 
 A sequence with bad lengths, or whose page table names a page outside the
 pool among the pages holding its tokens, reads nothing more and gives NaN;
-every page id is clipped into the pool before it is dereferenced, and ids
-past a sequence's tokens are replaced by one of its own pages.
+every page id is clipped into the pool before it is dereferenced (keys past
+a sequence's tokens, read from whatever page their id names, are masked).
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ class PagedTiling:
                                         or self.num_splits < 1):
       raise ValueError(f"PagedTiling.num_splits must be a positive int or "
                        f"None, got {self.num_splits!r}.")
-    if not 1 <= self.num_stages <= 6:
-      raise ValueError(f"PagedTiling.num_stages must be in 1..6, got "
+    if not 1 <= self.num_stages <= 8:
+      raise ValueError(f"PagedTiling.num_stages must be in 1..8, got "
                        f"{self.num_stages}.")
 
 
@@ -92,7 +93,8 @@ def _cdiv(a, b):
 def _kernel(qstart_ref, qlen_ref, qcap_ref, kvlen_ref, q_ref, pt_ref, k_ref,
             ks_ref, v_ref, vs_ref, km_ref, vm_ref, o_ref, lse_ref, *,
             math: PagedMath, groups: int, gp: int, bt: int, ppb: int,
-            num_pages: int, num_splits: int, interpret: bool):
+            num_pages: int, num_splits: int, v_transposed: bool,
+            interpret: bool):
   kh, i, split = pl.program_id(1), pl.program_id(2), pl.program_id(3)
   ps, h = k_ref.shape[1], k_ref.shape[-1]
   bk = ppb * ps
@@ -142,10 +144,13 @@ def _kernel(qstart_ref, qlen_ref, qcap_ref, kvlen_ref, q_ref, pt_ref, k_ref,
     slots = j * ppb + jnp.arange(ppb)
     ids = plgpu.load(pt_ref.at[pl.ds(j * ppb, ppb)], mask=slots < max_pages,
                      other=0)
-    ok = (ids >= 0) & (ids < num_pages) & (slots * ps < kv_len)
-    ids = jnp.where(ok, ids, jnp.max(jnp.where(ok, ids, 0)))
+    ids = jnp.clip(ids, 0, num_pages - 1)   # masked past kv_len
     k = k_ref[ids].reshape(bk, h)
-    v = v_ref[ids].reshape(bk, h)
+    if v_transposed:   # pages [H, ps] -> the block's [H, bk]
+      v = v_ref[ids[None, :, None], jnp.arange(h)[:, None, None],
+                jnp.arange(ps)[None, None, :]].reshape(h, bk)
+    else:
+      v = v_ref[ids].reshape(bk, h)
     cols = j * bk + jnp.arange(bk)
     if quantized:
       s_int = plgpu.dot(q_op, k, trans_b=True)
@@ -168,11 +173,16 @@ def _kernel(qstart_ref, qlen_ref, qcap_ref, kvlen_ref, q_ref, pt_ref, k_ref,
     key_in = cols < kv_len               # past it: stale slots, never read
     if quantized:
       v_scale = vs_ref[ids].reshape(bk)
-      op_dtype = jnp.bfloat16 if math.pv_dtype == "bf16" else jnp.float16
+      # FP8 P̃ against transposed FP8 pages on FP8 tensor cores; otherwise
+      # both widened to 16 bits.
+      native = v_transposed and math.pv_dtype == "fp8_e4m3"
+      op_dtype = (quant.FP8_DTYPE if native else
+                  jnp.bfloat16 if math.pv_dtype == "bf16" else jnp.float16)
       v = v.astype(op_dtype)
       if masked:
         v_scale = jnp.where(key_in, v_scale, 0.0)
-        v = jnp.where(key_in[:, None], v, jnp.zeros((), op_dtype))
+        in_v = key_in[None, :] if v_transposed else key_in[:, None]
+        v = jnp.where(in_v, v, jnp.zeros((), op_dtype))
       c = jnp.max(v_scale)
       c = jnp.where(c > 0, c, 1.0)
       p = p * (v_scale * (1.0 / c))[None, :]
@@ -181,7 +191,8 @@ def _kernel(qstart_ref, qlen_ref, qcap_ref, kvlen_ref, q_ref, pt_ref, k_ref,
         c = c * (1.0 / quant.P_SCALE)
       else:
         p_op = p.astype(op_dtype)
-      acc = acc * alpha[:, None] + plgpu.dot(p_op, v) * c
+      acc = acc * alpha[:, None] + plgpu.dot(p_op, v,
+                                             trans_b=v_transposed) * c
     else:
       if masked:
         v = jnp.where(key_in[:, None], v, jnp.zeros((), v.dtype))
@@ -266,11 +277,13 @@ def paged_attention(q: jax.Array, q_start: jax.Array, q_len: jax.Array,
   if cache.layout == "KPSH":
     pages = pl.BlockSpec((None, cache.num_pages, ps, h),
                          lambda bb, hh, i, s: (hh, 0, 0, 0))
+    v_pages = pl.BlockSpec((None, cache.num_pages) + cache.v_pages.shape[2:],
+                           lambda bb, hh, i, s: (hh, 0, 0, 0))
     scales = pl.BlockSpec((None, cache.num_pages, ps),
                           lambda bb, hh, i, s: (hh, 0, 0))
   else:
-    pages = pl.BlockSpec((cache.num_pages, ps, None, h),
-                         lambda bb, hh, i, s: (0, 0, hh, 0))
+    pages = v_pages = pl.BlockSpec((cache.num_pages, ps, None, h),
+                                   lambda bb, hh, i, s: (0, 0, hh, 0))
     scales = pl.BlockSpec((cache.num_pages, ps, None),
                           lambda bb, hh, i, s: (0, 0, hh))
   head_vec = pl.BlockSpec((None, h), lambda bb, hh, i, s: (hh, 0))
@@ -278,7 +291,7 @@ def paged_attention(q: jax.Array, q_start: jax.Array, q_len: jax.Array,
   smooth = cache.v_smooth is not None
   in_specs = [per_seq] * 4 + [
       whole(q), pl.BlockSpec((None, max_pages), lambda bb, hh, i, s: (bb, 0)),
-      pages, scales if quantized else None, pages,
+      pages, scales if quantized else None, v_pages,
       scales if quantized else None,
       head_vec if smooth and math.soft_cap is not None else None,
       head_vec if smooth else None]
@@ -294,7 +307,8 @@ def paged_attention(q: jax.Array, q_start: jax.Array, q_len: jax.Array,
         pl.BlockSpec((None, rows_total, n), lambda bb, hh, i, s: (s, 0, 0))]
   kernel = functools.partial(
       _kernel, math=math, groups=groups, gp=gp, bt=bt, ppb=bk // ps,
-      num_pages=cache.num_pages, num_splits=num_splits, interpret=interpret)
+      num_pages=cache.num_pages, num_splits=num_splits,
+      v_transposed=cache.v_transposed, interpret=interpret)
   km = cache.k_smooth if smooth and math.soft_cap is not None else None
   args = [q_start, q_len, q_cap, kv_len, q, page_table, cache.k_pages,
           cache.k_scales, cache.v_pages, cache.v_scales, km,
