@@ -1,15 +1,16 @@
 """Decode tiling search on a GPU: where the paged decode kernel's time goes.
 
   PYTHONPATH=$PWD python benchmarks/decode_tuning.py --out $OUT \
-      [--shapes "32,4096;32,16384;8,32768"] [--kinds int8-p16,bf16-p16]
+      [--shapes "32,4096;32,16384;8,32768"] [--kinds int8-p16,bf16-p16] \
+      [--grid "64,128;2,4;3,5"] [--splits "1,2,4,8"]
 
 For each shape (batch × cached tokens; GQA 32/8, H=128, bf16 q) and page
-kind, a coordinate search over :class:`sagejax.serving.PagedTiling`
-(``block_k``, ``num_warps``, ``num_stages``, ``num_splits``; each coordinate
-swept once from the current best), beside dense cuDNN decode and the copy and
-read bandwidths measured in the same process. The best tiling per shape is
-then profiled (kernel alone vs the split merge). Prints a table last and
-writes ``decode_tuning.json`` under ``--out``.
+kind (``int8-p16``, ``bf16-p64``, ``int8-p16-fp8`` for FP8 P̃), a grid over
+:class:`sagejax.serving.PagedTiling`'s ``block_k`` × ``num_warps`` ×
+``num_stages``, then split counts for the grid's best, beside dense cuDNN
+decode and the copy and read bandwidths measured in the same process. The
+best tiling per shape is then profiled (kernel alone vs the split merge).
+Prints a table last and writes ``decode_tuning.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ GRIDS = {"int8": dict(block_k=(32, 64, 128), num_warps=(1, 2, 4),
                       num_stages=(3, 5, 7)),
          "bf16": dict(block_k=(64, 128), num_warps=(1, 2, 4),
                       num_stages=(3, 5))}
-SPLITS = (None, 2, 4, 8, 16)
+SPLITS = (None, 1, 2, 4, 8, 12, 16)
 
 
 def read_bandwidth(smoke: bool) -> float:
@@ -55,12 +56,18 @@ def main():
   p.add_argument("--grid", default=None,
                  help='one grid for every kind, e.g. "32,64;1,2;5,7" '
                  "(block_k; num_warps; num_stages)")
+  p.add_argument("--splits", default=None,
+                 help='split counts tried after the grid, e.g. "4,8" '
+                 "('none': only the automatic count)")
   p.add_argument("--budget-s", type=float, default=480)
   args = p.parse_args()
   os.makedirs(args.out, exist_ok=True)
   start = time.time()
   run = sc.Run(args.out, args.smoke)
   grids, splits = GRIDS, SPLITS
+  if args.splits:
+    splits = () if args.splits == "none" else tuple(
+        int(x) for x in args.splits.split(","))
   if args.grid:
     axes = [tuple(int(x) for x in part.split(",")) for part in
             args.grid.split(";")]
@@ -100,8 +107,12 @@ def main():
           f"({bf16_bytes / cudnn / 1e12:.2f} TB/s)", flush=True)
     kinds = args.kinds.split(",")
     for kind in kinds:
+      # int8-p16, bf16-p64, int8-p16-fp8 (FP8 P̃; default: the serving
+      # config's P·V dtype).
       quantized = kind.startswith("int8")
-      ps = int(kind.split("-p")[1])
+      ps = int(kind.split("-")[1][1:])
+      config = (serving.SERVING_CONFIG.replace(pv_dtype="fp8_e4m3")
+                if kind.endswith("-fp8") else None)
       table = jnp.asarray(np.random.RandomState(ps).permutation(
           b * s // ps).reshape(b, s // ps).astype(np.int32))
       nbytes = b * s * sc.K * ((2 * sc.H + 8) if quantized else 4 * sc.H)
@@ -110,6 +121,7 @@ def main():
       def fn(tiling):
         return lambda q, cache, table, lengths: serving.decode_attention(
             q, cache, table, lengths, implementation="pallas", tiling=tiling,
+            config=config,
             interpret=args.smoke)
 
       seen = {}

@@ -9,7 +9,8 @@
    chunk, padded), INT8/FP8 and bf16 pages, pages of 16 and 64, soft-cap and
    window, and a sequence with a bad page table (NaN there only).
 2. Copy bandwidth: a device-to-device copy of 2 GiB (bytes read + written).
-3. Decode tiling sweep (B=32, 16k tokens), then decode at batch 8-64 × 4k-32k
+3. Decode tiling sweep (B=32, 16k tokens; not with ``--quick``, whose
+   decode uses the default tilings), then decode at batch 8-64 × 4k-32k
    cached tokens, GQA 32/8, H=128, bf16 q: sagejax INT8 K / FP8 V pages and
    bf16 pages (pages of 16 and 64), JAX's ``pallas.ops.gpu.paged_attention``
    (bf16 pages, best of k_splits 8/16; int8 pages with per-token scales),
@@ -371,22 +372,27 @@ def random_pages(key, pages, ps, quantized, dense_batch):
     out["scales"] = jax.random.uniform(ks[4], (2,) + shape[:-1],
                                        minval=0.004, maxval=0.02)
   if dense_batch:
+    # Two arrays: slicing one [2, ...] array inside the timed function made
+    # XLA copy K and V before cuDNN (3x its time).
     s = pages * ps // dense_batch
-    out["dense"] = jax.random.normal(ks[5], (2, dense_batch, s, K, H),
-                                     jnp.bfloat16)
+    kd, vd = jax.random.split(ks[5])
+    out["dense"] = tuple(jax.random.normal(x, (dense_batch, s, K, H),
+                                           jnp.bfloat16) for x in (kd, vd))
   return out
 
 
 def _cache(pools, quantized, ps):
   """A PagedKVCache view of the page-16 pools with pages of ``ps``."""
-  def view(x):
-    return None if x is None else x.reshape(
-        (x.shape[0], x.shape[1] * x.shape[2] // ps, ps) + x.shape[3:])
+  def view(x, transposed=False):
+    pages = x.shape[1] * x.shape[2] // ps
+    if transposed:  # random data: any bytes will do
+      return x.reshape(x.shape[0], pages, H, ps)
+    return x.reshape((x.shape[0], pages, ps) + x.shape[3:])
   if quantized:
     return serving.PagedKVCache(
-        view(pools["k8"]), view(pools["v8"]), view(pools["scales"][0]),
+        view(pools["k8"]), view(pools["v8"], True), view(pools["scales"][0]),
         view(pools["scales"][1]), jnp.zeros((K, H)), jnp.zeros((K, H)),
-        jnp.ones((), bool))
+        jnp.ones((), bool), v_transposed=True)
   return serving.PagedKVCache(view(pools["bf16"][0]), view(pools["bf16"][1]))
 
 
@@ -680,7 +686,8 @@ def main():
     run.save()
   copy_bw = run.guard("copy", copy_bandwidth, run) or float("nan")
   run.save()
-  tilings = run.guard("decode tiling", decode_tiling_sweep, run) or {}
+  tilings = {} if args.quick else (
+      run.guard("decode tiling", decode_tiling_sweep, run) or {})
   run.data["decode_best_tiling"] = {f"int8={k[0]} p{k[1]}": str(v)
                                     for k, v in tilings.items()}
   run.save()
