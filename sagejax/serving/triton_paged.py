@@ -14,8 +14,9 @@ the page table and gathers K, V and their scales straight from the pool:
   [soft-cap, causal bottom-right + window mask on edge blocks]
   m' = max(m, rowmax s);  p̃ = exp2(s − m');  l' = l·2^(m−m') + rowsum p̃
   c  = max(v_scale over the block);  P' = p̃ · v_scale / c ∈ [0, 1]
-  acc = acc·2^(m−m') + c · (round(P') · v_fp8)     (FP8 tensor cores on
-       transposed V pages [H, page_size]; FP16 ones on [page_size, H] pages)
+  acc = acc·2^(m−m') + c · (round(P') · v_fp8)     (FP8 tensor cores when P'
+       is FP8 and the V pages are transposed [H, page_size]; else both
+       widened to FP16)
 
 Queries are quantized to INT8 per row inside the kernel. Each split writes
 its normalized output and base-2 LSE; with one split the program writes the
@@ -170,7 +171,7 @@ def _kernel(qstart_ref, qlen_ref, qcap_ref, kvlen_ref, q_ref, pt_ref, k_ref,
     alpha = jnp.exp2(m - m_use)
     p = jnp.exp2(s - m_use[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    key_in = cols < kv_len               # past it: stale slots, never read
+    key_in = cols < kv_len               # past it: stale slots, masked
     if quantized:
       v_scale = vs_ref[ids].reshape(bk)
       # FP8 P̃ against transposed FP8 pages on FP8 tensor cores; otherwise
