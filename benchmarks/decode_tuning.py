@@ -40,7 +40,7 @@ SPLITS = (None, 1, 2, 4, 8, 12, 16)
 
 
 def read_bandwidth(smoke: bool) -> float:
-  x = jnp.ones((1 << (20 if smoke else 30),), jnp.bfloat16)  # 2 GiB
+  x = jnp.ones((1 << (20 if smoke else 30),), jnp.bfloat16)  # 2 GiB on a GPU
   t = sc.seconds(lambda x: jnp.sum(x, dtype=jnp.float32), (x,))
   return 2 * x.size / t / 1e12
 
@@ -149,21 +149,24 @@ def main():
       grid = grids["int8" if quantized else "bf16"]
       kind_deadline = time.time() + (deadline - time.time()) / (
           len(kinds) - kinds.index(kind))
-      best, best_t = None, None
-      cands = [serving.PagedTiling(block_q=1, block_k=max(bk, ps),
-                                   num_warps=w, num_stages=st)
-               for bk, w, st in itertools.product(*grid.values())]
-      cands += [None]  # marker: then the split counts
-      for cand in cands:
-        if cand is None:
-          cands += [dataclasses.replace(best, num_splits=sp)
-                    for sp in splits if best is not None]
-          continue
-        if time.time() > kind_deadline:
-          break
-        t = measure(cand)
-        if t is not None and (best_t is None or t < best_t):
-          best, best_t = cand, t
+
+      def fastest(cands, best=None, best_t=None):
+        for cand in cands:
+          if time.time() > kind_deadline:
+            break
+          t = measure(cand)
+          if t is not None and (best_t is None or t < best_t):
+            best, best_t = cand, t
+        return best, best_t
+
+      best, best_t = fastest(
+          serving.PagedTiling(block_q=1, block_k=max(bk, ps), num_warps=w,
+                              num_stages=st)
+          for bk, w, st in itertools.product(*grid.values()))
+      if best is not None:
+        best, best_t = fastest(
+            (dataclasses.replace(best, num_splits=sp) for sp in splits),
+            best, best_t)
       prof = {}
       if best_t is not None and not args.smoke:
         f = jax.jit(fn(best))

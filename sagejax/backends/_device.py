@@ -22,3 +22,9 @@ def gpu_compute_capability() -> float | None:
     return float(getattr(device, "compute_capability", "nan"))
   except (TypeError, ValueError):
     return math.nan
+
+
+def is_hopper() -> bool:
+  """Whether the first device is an sm90 GPU (NaN, unknown: not Hopper)."""
+  cc = gpu_compute_capability()
+  return cc is not None and 9.0 <= cc < 10.0

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from sagejax import quant
 from sagejax._inputs import ParsedCall
-from sagejax.backends._device import gpu_compute_capability
+from sagejax.backends._device import is_hopper
 from sagejax.backends.pallas_triton import (Prepared, pad_axis,
                                             quantize_inputs, smoothed)
 from sagejax.config import SageConfig
@@ -60,11 +60,6 @@ def default_backward_tiling(head_dim: int, fused_dq: bool = False
   return MosaicBackwardTiling()
 
 
-def _is_hopper() -> bool:
-  cc = gpu_compute_capability()
-  return cc is not None and 9.0 <= cc < 10.0  # NaN (unknown): not Hopper
-
-
 class _MosaicBackend:
   name = "mosaic"
   platform = "cuda"
@@ -78,7 +73,7 @@ class _MosaicBackend:
   default_preset = "sage2-8b"
 
   def available(self) -> bool:
-    return _is_hopper()
+    return is_hopper()
 
   def unsupported(self, call: ParsedCall, config: SageConfig
                   ) -> Optional[str]:
