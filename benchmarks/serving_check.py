@@ -16,11 +16,13 @@
    (bf16 pages, best of k_splits 8/16; int8 pages with per-token scales),
    dense cuDNN (T=1, contiguous bf16 cache). µs, TB/s of cache bytes read,
    and the ratios the issue targets.
-4. Extend: a 4096-token chunk on 8k-32k cached tokens (B=2), sagejax paged
-   (INT8/FP8 with FP16 or FP8 P', bf16 pages) beside cuDNN on a dense bf16
-   cache (non-causal over all keys: jax.nn's cuDNN path has no bottom-right
-   causal mask, so cuDNN does up to 1.5x the work; TOPS count the causal
-   work for both).
+4. Extend: a 4096-token chunk on 8k-32k cached tokens (B=2): the Mosaic
+   extend and the Triton kernel (INT8/FP8 with FP16 or FP8 P', bf16 pages)
+   beside cuDNN on a dense bf16 cache, non-causal over all keys (jax.nn's
+   cuDNN path has no bottom-right causal mask: cuDNN does 1.2x the work at
+   8k, 1.06x at 32k) and with a bottom-right boolean mask array; TOPS count
+   the causal work for all. Then chunks of 64-1024 tokens on an 8k prefix
+   (B=8), Mosaic vs Triton.
 
 Timing: compiled functions, warm-up, then per repeat many back-to-back
 dispatches and one block_until_ready; the median of 5 repeats
@@ -535,75 +537,97 @@ def decode_sweep(run: Run, copy_bw: float, tilings):
 
 
 def extend_sweep(run: Run):
+  """A 4096-token chunk (B=2) on cached prefixes: the Mosaic extend (FP16
+  and FP8 P'), the Triton kernel (INT8/FP8 and bf16 pages), cuDNN on a dense
+  bf16 cache; then chunk sizes 64-1024 on the 8k prefix (where the automatic
+  choice switches from Triton to Mosaic)."""
   b, t = (1, 64) if run.smoke else (2, 4096)
   prefixes = ([128] if run.smoke else [8192] if run.data["quick"]
               else [8192, 16384, 32768])
   rows = []
-  candidates = [None]
-  if not run.smoke:
-    candidates += [   # the default is block_q=32 (128 rows), 128/8w/2st
-        serving.PagedTiling(block_q=32, block_k=64, num_warps=4,
-                            num_stages=3, num_splits=1),
-        serving.PagedTiling(block_q=32, block_k=64, num_warps=8,
-                            num_stages=3, num_splits=1),
-        serving.PagedTiling(block_q=64, block_k=64, num_warps=8,
-                            num_stages=2, num_splits=1),
-        serving.PagedTiling(block_q=16, block_k=128, num_warps=4,
-                            num_stages=2, num_splits=1)]
-  best = None   # the fastest tiling on the first prefix, used for the rest
-  for i, prefix in enumerate(prefixes):
+  for prefix in prefixes:
     if run.late():
       print(f"  extend prefix {prefix}: skipped (time)")
       continue
-    s = prefix + t
-    pools = run.guard("pools", random_pages, jax.random.key(s), b * s // 16,
-                      16, True, b)
-    if pools is None:
-      continue
-    table = jnp.asarray(np.random.RandomState(1).permutation(
-        b * s // 16).reshape(b, s // 16).astype(np.int32))
-    lengths = jnp.full((b,), s, jnp.int32)
-    q = jax.random.normal(jax.random.key(3), (b, t, N, H), jnp.bfloat16)
-    work = 4 * b * N * H * (t * prefix + t * (t + 1) / 2)
-    row = dict(batch=b, chunk=t, prefix=prefix, tops={}, us={})
-
-    def timed(name, fn):
-      if run.late():
-        return None
-      sec = run.guard(f"{name} prefix={prefix}", seconds, fn, (q, pools))
-      if sec is not None:
-        row["us"][name] = sec * 1e6
-        row["tops"][name] = work / sec / 1e12
-      return sec
-
-    def sage(quantized, pv, tiling):
-      def f(q, pools):
-        return serving.extend_attention(
-            q, _cache(pools, quantized, 16), table, lengths,
-            config=serving.SERVING_CONFIG.replace(pv_dtype=pv),
-            implementation="pallas", tiling=tiling, interpret=run.smoke)
-      return f
-
-    sweep = candidates if i == 0 else [best]
-    fastest = 1e30
-    for tiling in sweep:
-      sec = timed(f"sage int8/fp8 P=fp16 {tiling or 'default'}",
-                  sage(True, "fp16", tiling))
-      if sec is not None and sec < fastest:
-        fastest, best = sec, tiling
-    timed(f"sage int8/fp8 P=fp8 {best or 'default'}",
-          sage(True, "fp8_e4m3", best))
-    timed(f"sage bf16 {best or 'default'}", sage(False, "fp16", best))
-
-    def cudnn(q, pools):
-      k, v = pools["dense"]
-      return jax.nn.dot_product_attention(
-          q, k, v, implementation="xla" if run.smoke else "cudnn")
-    timed("cudnn dense bf16 (non-causal, all keys)", cudnn)
-    del pools
-    run.record("extend", rows, row, f"  extend prefix {prefix}: " + ", ".join(
-        f"{k} {v:.0f} TOPS" for k, v in row["tops"].items()))
+    row = extend_case(run, b, t, prefix, full=True)
+    if row is not None:
+      run.record("extend", rows, row, f"  extend prefix {prefix}: " + ", ".join(
+          f"{k} {v:.0f} TOPS" for k, v in row["tops"].items()))
   run.data["extend"] = rows
+  chunks = [] if run.smoke else [64, 128, 256, 512, 1024]
+  rows = []
+  for chunk in chunks:
+    if run.late():
+      print(f"  extend chunk {chunk}: skipped (time)")
+      continue
+    row = extend_case(run, 8, chunk, 8192, full=False)
+    if row is not None:
+      run.record("extend_chunks", rows, row, f"  extend chunk {chunk}: " +
+                 ", ".join(f"{k} {v:.0f} us" for k, v in row["us"].items()))
+  run.data["extend_chunks"] = rows
+
+
+def extend_case(run: Run, b: int, t: int, prefix: int, full: bool):
+  """One extend shape: µs and TOPS (of the causal work) per variant."""
+  s = prefix + t
+  s = -(-s // 64) * 64
+  pools = run.guard("pools", random_pages, jax.random.key(s + t), b * s // 16,
+                    16, True, b)
+  if pools is None:
+    return None
+  table = jnp.asarray(np.random.RandomState(1).permutation(
+      b * s // 16).reshape(b, s // 16).astype(np.int32))
+  lengths = jnp.full((b,), prefix + t, jnp.int32)
+  q = jax.random.normal(jax.random.key(3), (b, t, N, H), jnp.bfloat16)
+  work = 4 * b * N * H * (t * prefix + t * (t + 1) / 2)
+  row = dict(batch=b, chunk=t, prefix=prefix, tops={}, us={})
+
+  def timed(name, fn):
+    if run.late():
+      return None
+    sec = run.guard(f"{name} prefix={prefix} chunk={t}", seconds, fn,
+                    (q, pools))
+    if sec is not None:
+      row["us"][name] = sec * 1e6
+      row["tops"][name] = work / sec / 1e12
+    return sec
+
+  def sage(quantized, pv, impl):
+    def f(q, pools):
+      return serving.extend_attention(
+          q, _cache(pools, quantized, 16), table, lengths,
+          config=serving.SERVING_CONFIG.replace(pv_dtype=pv),
+          implementation=impl, interpret=run.smoke)
+    return f
+
+  if not run.smoke:
+    timed("mosaic int8/fp8 P=fp16", sage(True, "fp16", "mosaic"))
+  timed("triton int8/fp8 P=fp16", sage(True, "fp16", "pallas"))
+  if not full:
+    return row
+  if not run.smoke:
+    timed("mosaic int8/fp8 P=fp8", sage(True, "fp8_e4m3", "mosaic"))
+  timed("triton int8/fp8 P=fp8", sage(True, "fp8_e4m3", "pallas"))
+  timed("triton bf16 pages", sage(False, "fp16", "pallas"))
+  impl = "xla" if run.smoke else "cudnn"
+
+  def cudnn(q, pools):
+    k, v = pools["dense"]
+    return jax.nn.dot_product_attention(q, k[:, :prefix + t],
+                                        v[:, :prefix + t],
+                                        implementation=impl)
+  timed("cudnn dense bf16 (non-causal, all keys)", cudnn)
+
+  mask = jnp.arange(prefix + t)[None, :] <= (jnp.arange(t)[:, None] + prefix)
+
+  def cudnn_masked(q, pools):
+    k, v = pools["dense"]
+    return jax.nn.dot_product_attention(q, k[:, :prefix + t],
+                                        v[:, :prefix + t],
+                                        mask=mask[None, None],
+                                        implementation=impl)
+  timed("cudnn dense bf16 (bottom-right mask array)", cudnn_masked)
+  return row
 
 
 # ----------------------------------------------------------------------------
@@ -649,6 +673,11 @@ def report(run: Run):
     print(f"prefix {r['prefix']}:")
     for name, tops in sorted(r["tops"].items(), key=lambda kv: -kv[1]):
       print(f"  {tops:7.1f} TOPS  {r['us'][name]:9.0f} us  {name}")
+  if d.get("extend_chunks"):
+    print("\n== extend chunk sizes (B=8, 8k prefix; µs) ==")
+    for r in d["extend_chunks"]:
+      print(f"  chunk {r['chunk']:5d}: " + ", ".join(
+          f"{k} {v:.0f}" for k, v in r["us"].items()))
   if d.get("errors"):
     print(f"\n{len(d['errors'])} variant(s) failed; see errors in the JSON.")
 
@@ -662,6 +691,8 @@ def main():
   parser.add_argument("--decode-only", action="store_true",
                       help="copy bandwidth and the quick decode sweep only, "
                       "default tilings (no checks, no tiling sweep)")
+  parser.add_argument("--extend-only", action="store_true",
+                      help="the extend sweep only")
   parser.add_argument("--cache-error", action="store_true",
                       help="only the cache quantization error table (CPU)")
   args = parser.parse_args()
@@ -671,6 +702,11 @@ def main():
   if args.cache_error:
     cache_error(run)
     run.save()
+    return
+  if args.extend_only:
+    run.guard("extend", extend_sweep, run)
+    run.save()
+    report(run)
     return
   if args.decode_only:
     run.data["quick"] = True

@@ -27,12 +27,15 @@ import numpy as np
 import pytest
 
 from sagejax import serving, testing
+from sagejax.backends._device import is_hopper
 from sagejax.serving import cache as cache_lib
+from sagejax.serving import reference
 from sagejax.serving.reference import PagedMath
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+needs_hopper = pytest.mark.skipif(not is_hopper(), reason="needs an sm90 GPU")
 IMPLS = [("xla", False), ("pallas", True)]     # (implementation, interpret)
 
 
@@ -497,6 +500,166 @@ def test_lowers_for_cuda(monkeypatch, layout, quantized, pv):
     assert "sage_paged_attention" in lowered.as_text()
 
 
+def _emulated_mosaic_forward(q, q_scale, k, k_scale, v, v_scale, v_mean,
+                             delta_s, spec, *, q_lengths, kv_lengths,
+                             out_dtype, out_layout, v_key_scale, tiling):
+  """``mosaic_attention.attention_forward``'s arithmetic in jnp (one global
+  max instead of the running one), for checking the Mosaic extend's inputs
+  on the CPU: shapes and padding as the kernel demands, V's key order undone,
+  the per-key V factor applied to P̃ before it is rounded."""
+  from sagejax import quant
+  from sagejax.kernels.mosaic_attention import pv_key_order
+  from sagejax.serving.reference import round_pv
+  b, n, t, h = q.shape
+  kh, s = k.shape[1], k.shape[2]
+  assert delta_s is None and out_layout == "BTNH"
+  assert t % (2 * tiling.block_q) == 0 and s % tiling.block_kv == 0
+  assert q.dtype == k.dtype == jnp.int8 and v_key_scale.shape == (b, kh, s)
+  fp8 = v.dtype == quant.FP8_DTYPE
+  if fp8:     # [B, K, H, S] in the kernel's key order
+    v = jnp.swapaxes(v[..., np.argsort(pv_key_order(s))], 2, 3)
+  g = n // kh
+  s_int = jnp.einsum("bkgth,bksh->bkgts",
+                     q.reshape(b, kh, g, t, h).astype(jnp.int32),
+                     k.astype(jnp.int32))
+  s2 = (s_int.astype(jnp.float32) * k_scale[:, :, None, None]
+        * q_scale.reshape(b, kh, g, t)[..., None])
+  visible = spec.visible_at(jnp.arange(t)[:, None], jnp.arange(s)[None, :],
+                            q_lengths[:, None, None, None, None],
+                            kv_lengths[:, None, None, None, None])
+  s2 = jnp.where(visible, s2, -jnp.inf)
+  m = jnp.max(s2, axis=-1, keepdims=True)
+  p = jnp.exp2(s2 - jnp.where(jnp.isfinite(m), m, 0.0))
+  l = jnp.sum(p, axis=-1)[..., None]
+  pv = round_pv(p * v_key_scale[:, :, None, None],
+                "fp8_e4m3" if fp8 else "fp16")
+  out = jnp.einsum("bkgts,bksh->bkgth", pv, v.astype(jnp.float32),
+                   precision="highest")
+  if fp8:
+    out = out / quant.P_SCALE
+  seen = l > 0
+  out = jnp.where(seen, out / jnp.where(seen, l, 1.0), 0.0)
+  out = out * v_scale[:, :, None, None]
+  if v_mean is not None:
+    out = jnp.where(seen, out + v_mean[:, :, None, None], 0.0)
+  out = jnp.moveaxis(out.reshape(b, n, t, h), 1, 2)
+  return out.astype(out_dtype), None
+
+
+@pytest.mark.parametrize("pv", ["fp16", "fp8_e4m3"])
+@pytest.mark.parametrize("layout", ["KPSH", "PSKH"])
+def test_mosaic_extend_inputs(monkeypatch, next_key, pv, layout):
+  """The Mosaic extend's gather, key order, per-key V factor, lengths and
+  bad-sequence handling, on the CPU, with the kernel replaced by its
+  arithmetic in jnp: equals the ``"xla"`` reference with one P·V
+  normalization block per sequence. Padded and packed queries, a window, a
+  page id outside the pool (that sequence: NaN)."""
+  from sagejax.serving import attention as attention_lib
+  from sagejax.serving import mosaic_paged
+  monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
+  monkeypatch.setattr(attention_lib, "_mosaic_unsupported",
+                      lambda cache, math, decode, interpret:
+                      mosaic_paged.unsupported(cache, math))
+  monkeypatch.setattr(mosaic_paged, "attention_forward",
+                      _emulated_mosaic_forward)
+  kv_len, q_len = [300, 150, 64, 9], [130, 40, 64, 1]
+  sc = _scenario(next_key(), kv_len, q_len, kh=2, g=3, h=64, t=130)
+  cache, table = sc["cache"], sc["table"]
+  if layout == "PSKH":   # the same tokens in a contiguous (Flax) cache
+    b, s = table.shape[0], table.shape[1] * cache.page_size
+    fields = {f: cache.gather(f, table) for f in
+              ("k_pages", "v_pages", "k_scales", "v_scales")}
+    cache, table = serving.PagedKVCache.from_contiguous(
+        fields["k_pages"], fields["v_pages"], fields["k_scales"],
+        fields["v_scales"], cache.k_smooth, cache.v_smooth,
+        cache.smooth_fixed)
+    assert table.shape == (b, s // cache.page_size)
+  table = table.at[3, 0].set(cache.num_pages)           # outside the pool
+  config = serving.SERVING_CONFIG.replace(pv_dtype=pv)
+  kw = dict(local_window_size=100, config=config, implementation="mosaic")
+  got = jax.jit(lambda *a: serving.extend_attention(  # jit: no value checks
+      *a[:4], q_lengths=a[4], **kw))(sc["q"], cache, table, sc["kv_len"],
+                                     sc["q_len"])
+  math = PagedMath(sm_scale=64 ** -0.5, window=100, pv_dtype=pv,
+                   block_k=table.shape[1] * cache.page_size)
+  want = jax.jit(reference.paged_attention, static_argnums=5)(
+      sc["q"], sc["q_len"], cache, table, sc["kv_len"], math)
+  got, want = np.asarray(got), np.asarray(want)
+  assert np.all(np.isnan(got[3])) and np.all(np.isnan(want[3]))
+  valid = (np.arange(130)[None] < np.asarray(q_len)[:, None])[:3]
+  assert np.all(got[:3][~valid] == 0)
+  assert _rel(got[:3], want[:3]) < 1e-5
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_len)]), jnp.int32)
+  packed_q = jnp.concatenate([sc["q"][b, :n] for b, n in enumerate(q_len)])
+  packed = jax.jit(lambda *a: serving.extend_attention(
+      *a[:4], cu_seqlens=a[4], max_q_len=130, **kw))(
+          packed_q, cache, table, sc["kv_len"], cu)
+  np.testing.assert_array_equal(
+      np.asarray(packed),
+      np.concatenate([got[b, :n] for b, n in enumerate(q_len)]))
+
+
+def test_mosaic_extend_selection(monkeypatch, next_key):
+  """None picks the Mosaic extend on Hopper for long enough chunks of a
+  quantized cache; calls it cannot serve name the reason."""
+  from sagejax.kernels.mosaic_attention import MosaicTiling
+  from sagejax.serving import attention as attention_lib
+  monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
+  monkeypatch.setattr(attention_lib, "_pallas_available", lambda: True)
+  quant_cache = serving.PagedKVCache.create(num_pages=4, page_size=16,
+                                            num_kv_heads=1, head_dim=64)
+  plain = serving.PagedKVCache.create(num_pages=4, page_size=16,
+                                      num_kv_heads=1, head_dim=64,
+                                      quantized=False)
+  math = PagedMath(sm_scale=0.125)
+  pick = functools.partial(attention_lib._select, None, False, None)
+  t = attention_lib.MOSAIC_MIN_QUERY_TOKENS
+  assert pick(quant_cache, math, False, t, None) == "mosaic"
+  assert pick(quant_cache, math, False, t - 1, None) == "pallas"
+  assert pick(quant_cache, math, True, 1, None) == "pallas"        # decode
+  assert pick(plain, math, False, t, None) == "pallas"
+  assert pick(quant_cache, dataclasses.replace(math, soft_cap=5.0), False, t,
+              None) == "pallas"
+  assert pick(quant_cache, math, False, t,
+              serving.PagedTiling()) == "pallas"
+  assert pick(quant_cache, math, False, 1, MosaicTiling()) == "mosaic"
+  q = jnp.ones((1, 4, 1, 64))
+  for kwargs, match in (
+      (dict(implementation="mosaic", logits_soft_cap=5.0), "soft-cap"),
+      (dict(implementation="pallas", tiling=MosaicTiling()), "PagedTiling"),
+      (dict(implementation="mosaic", interpret=True), "interpreter")):
+    with pytest.raises(ValueError, match=match):
+      serving.extend_attention(q, quant_cache, jnp.zeros((1, 4), jnp.int32),
+                               jnp.full((1,), 4, jnp.int32), **kwargs)
+  with pytest.raises(ValueError, match="decode"):
+    serving.decode_attention(q[:, 0], quant_cache,
+                             jnp.zeros((1, 4), jnp.int32),
+                             jnp.full((1,), 4, jnp.int32),
+                             implementation="mosaic")
+
+
+@pytest.mark.parametrize("pv", ["fp16", "fp8_e4m3"])
+@pytest.mark.parametrize("h", [64, 128])
+def test_mosaic_extend_lowers_for_cuda(monkeypatch, pv, h):
+  """The Mosaic extend (padded and packed, window) lowers for CUDA."""
+  from sagejax.serving import attention as attention_lib
+  monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
+  cache = serving.PagedKVCache.create(num_pages=40, page_size=16,
+                                      num_kv_heads=2, head_dim=h)
+  table = jnp.zeros((4, 10), jnp.int32)
+  lens = jnp.full((4,), 150, jnp.int32)
+  kw = dict(config=serving.SERVING_CONFIG.replace(pv_dtype=pv),
+            local_window_size=64, implementation="mosaic")
+  for q, extra in ((jnp.zeros((4, 130, 8, h), jnp.bfloat16), {}),
+                   (jnp.zeros((300, 8, h), jnp.bfloat16),
+                    dict(cu_seqlens=jnp.asarray([0, 100, 200, 250, 300],
+                                                jnp.int32), max_q_len=100))):
+    lowered = jax.jit(lambda q, c, t, l, extra=extra: serving.extend_attention(
+        q, c, t, l, **kw, **extra)).trace(q, cache, table, lens).lower(
+            lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 # ----------------------------------------------------------------------------
 # GPU.
 # ----------------------------------------------------------------------------
@@ -527,6 +690,37 @@ def test_gpu_decode_and_extend_match_xla(next_key, quantized, ps):
   valid = (np.arange(130)[None] < np.asarray([128, 40, 130])[:, None])
   assert np.all(np.asarray(got, np.float32)[~valid] == 0)
   assert _rel(got, want, valid[..., None, None]) < 1e-2
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("pv", ["fp16", "fp8_e4m3"])
+@pytest.mark.parametrize("h,ps,window", [(128, 16, None), (64, 64, 700)])
+def test_gpu_mosaic_extend_matches_xla(next_key, pv, h, ps, window):
+  """The Mosaic extend, compiled, device memory poisoned first: odd lengths
+  (chunks of 1000, 200, 257 and 1 token on prefixes of 0-3200), GQA 8/2,
+  channel-bias data, against the ``"xla"`` reference and dense attention
+  over the cache's dequantized tokens."""
+  kv_len, q_len = [4200, 1000, 257, 130], [1000, 200, 257, 1]
+  sc = _scenario(next_key(), kv_len, q_len, kh=2, g=4, h=h, ps=ps)
+  q = sc["q"].astype(jnp.bfloat16)
+  config = serving.SERVING_CONFIG.replace(pv_dtype=pv)
+  run = jax.jit(lambda impl: serving.extend_attention(
+      q, sc["cache"], sc["table"], sc["kv_len"], q_lengths=sc["q_len"],
+      local_window_size=window, config=config, implementation=impl),
+      static_argnums=0)
+  jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()  # poison
+  got = run("mosaic")
+  want = run("xla")
+  k_deq, v_deq = _dequantized(sc)
+  seen = _dense(q, k_deq, v_deq, sc["q_len"], sc["kv_len"], window)
+  valid = (np.arange(1000)[None] < np.asarray(q_len)[:, None])[..., None,
+                                                                 None]
+  out = np.asarray(got, np.float32)
+  assert got.dtype == jnp.bfloat16 and got.shape == q.shape
+  assert np.all(np.isfinite(out)) and not np.any(np.where(valid, 0.0, out))
+  assert _rel(got, want, valid) < 1e-2
+  assert _rel(got, seen, valid) < 0.03
 
 
 @pytest.mark.parametrize("quantized", [False, True])

@@ -188,6 +188,7 @@ def attention_forward(
     delta_s: Optional[jax.Array], spec: MaskSpec, *, q_lengths: jax.Array,
     kv_lengths: jax.Array, config_block_q: int = 128, out_dtype=jnp.bfloat16,
     out_layout: str = "BNTH", pv_two_level: bool = True,
+    v_key_scale: Optional[jax.Array] = None,
     tiling: MosaicTiling = MosaicTiling(),
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the Mosaic GPU forward on quantized inputs.
@@ -206,6 +207,10 @@ def attention_forward(
     q_lengths, kv_lengths: int32 ``[B]`` valid lengths.
     out_layout: ``"BNTH"`` or ``"BTNH"`` for the ``[B, *, T_pad, *, H]`` output.
     pv_two_level: each block's P·V from a fresh accumulator (``fp32+fp32``).
+    v_key_scale: f32 ``[B, K, S_pad]`` or None: a per-key factor of V (V
+      quantized per token, normalized to at most 1), multiplied into P̃
+      before it is rounded to the P·V operand; the softmax sum does not see
+      it. ``v_scale`` then holds what the normalization took out.
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
@@ -233,9 +238,9 @@ def attention_forward(
   def kernel(refs, out_ref, lse_ref, scratch):
     q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, ql_ref, kl_ref = (
         refs[name] for name in ("q", "qs", "k", "ks", "v", "vs", "ql", "kl"))
-    vm_ref, ds_ref = refs.get("vm"), refs.get("ds")
+    vm_ref, ds_ref, vks_ref = refs.get("vm"), refs.get("ds"), refs.get("vks")
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, ds_smem, o_smem, lse_smem,
-     vs_smem, vm_smem) = scratch[0]
+     vs_smem, vm_smem, vks_smem) = scratch[0]
     q_bar, k_bar, v_bar = scratch[1]
     k_free, v_free = scratch[2]
     sched = scratch[3]
@@ -302,6 +307,8 @@ def attention_forward(
           ds = load_all(ds_smem.at[slot], col_layout)
           t = t + (lax.broadcast_in_dim(ds, (bq, bkv), [1])
                    * lax.broadcast_in_dim(inv_qs, (bq, bkv), [0]))
+        vks = (None if vks_ref is None
+               else load_all(vks_smem.at[slot], col_layout))
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
           rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0,
@@ -317,6 +324,8 @@ def attention_forward(
         p = jnp.exp2(t * lax.broadcast_in_dim(qs, (bq, bkv), [0])
                      - lax.broadcast_in_dim(shift, (bq, bkv), [0]))
         l = l * alpha + p.sum(axis=1)
+        if vks is not None:
+          p = p * lax.broadcast_in_dim(vks, (bq, bkv), [1])
         if fp8:
           p_op = _as_pv_operand(p.astype(pv_dtype))
           v_tile = plgpu.transpose_ref(v_smem.at[slot], (1, 0))
@@ -402,6 +411,9 @@ def attention_forward(
           plgpu.copy_gmem_to_smem(
               ds_ref.at[batch, head, lax.div(qt, jnp.int32(ds_rows)), keys],
               ds_smem.at[slot], k_bar.at[slot])
+        if vks_ref is not None:
+          plgpu.copy_gmem_to_smem(vks_ref.at[batch, kv_head, keys],
+                                  vks_smem.at[slot], k_bar.at[slot])
 
         @pl.when(j - blo >= stages)
         def _():
@@ -414,7 +426,7 @@ def attention_forward(
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
 
   inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
-                ds=delta_s, ql=q_lengths, kl=kv_lengths)
+                ds=delta_s, vks=v_key_scale, ql=q_lengths, kl=kv_lengths)
   names = tuple(name for name, x in inputs.items() if x is not None)
 
   def entry(*all_refs):
@@ -433,9 +445,10 @@ def attention_forward(
         plgpu.SMEM((2, bq), jnp.float32),
         plgpu.SMEM((2, h), jnp.float32),
         None if "vm" not in refs else plgpu.SMEM((2, h), jnp.float32),
+        None if "vks" not in refs else plgpu.SMEM((stages, bkv), jnp.float32),
     )
     q_arrivals = 3 if "vm" not in refs else 4
-    k_arrivals = 2 if ds_ref is None else 3
+    k_arrivals = 2 + (ds_ref is not None) + ("vks" in refs)
     pl.run_scoped(
         lambda *scratch: kernel(refs, out_ref, lse_ref, scratch),
         smem,

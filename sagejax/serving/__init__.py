@@ -11,11 +11,13 @@
 
 See :mod:`sagejax.serving.cache` (layout, quantization, smoothing),
 :mod:`sagejax.serving.attention` (the attention calls),
-:mod:`sagejax.serving.triton_paged` (the Pallas kernel) and
+:mod:`sagejax.serving.triton_paged` (the Triton kernel),
+:mod:`sagejax.serving.mosaic_paged` (extend on Hopper) and
 :mod:`sagejax.serving.reference` (its ``"xla"`` reference).
 """
 
 from sagejax.serving.attention import (
+    MOSAIC_EXTEND_CONFIG,
     SERVING_CONFIG,
     decode_attention,
     default_tiling,
@@ -25,6 +27,7 @@ from sagejax.serving.cache import PagedKVCache, append
 from sagejax.serving.triton_paged import PagedTiling
 
 __all__ = [
+    "MOSAIC_EXTEND_CONFIG",
     "PagedKVCache",
     "PagedTiling",
     "SERVING_CONFIG",

@@ -1,0 +1,183 @@
+"""Extend attention over a quantized paged cache on Hopper (Pallas Mosaic GPU).
+
+Extend (prefix caching, chunked prefill) is a prefill: thousands of query
+rows per sequence, bound by the tensor cores, not by reading the cache. It
+runs the dense Mosaic forward kernel (:mod:`sagejax.kernels.mosaic_attention`:
+INT8 ``wgmma`` for Q·Kᵀ, FP8 or FP16 ``wgmma`` for P·V, TMA and
+warp-specialised consumers) on the cache's own quantized entries:
+
+* each sequence's pages are gathered into contiguous head-major tiles (one
+  XLA gather per array, about 2 bytes per cached key and channel; padding
+  keys past ``lengths[b]`` are zeroed): K ``[B, K, S_pad, H]`` INT8 with its
+  per-token scales, V transposed ``[B, K, H, S_pad]`` FP8 in the kernel's key
+  order (or ``[B, K, S_pad, H]`` FP16 for 16-bit P·V, the FP8 values exact);
+* queries are quantized to INT8 per (token, head) row, as the Triton kernel
+  does inside;
+* V's per-token scales enter as the kernel's per-key factor of P̃:
+  ``P' = p̃ · v_scale / c`` with ``c`` the largest V scale of the sequence
+  and head, rounded to the P·V operand, and the output times ``c``. That is
+  :mod:`sagejax.serving.reference`'s arithmetic with one normalization block
+  per sequence (``PagedMath.block_k`` = all its keys).
+
+Bottom-right causal alignment, the local window and per-sequence lengths are
+the kernel's own; KV blocks no row of a CTA sees are never loaded. Not served
+(the Triton kernel serves them): plain 16-bit caches, logit soft-cap, head
+dims other than 64 and 128.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from sagejax import quant
+from sagejax.kernels.mosaic_attention import (MosaicTiling, attention_forward,
+                                              pv_key_order)
+from sagejax.serving.cache import PagedKVCache
+from sagejax.serving.reference import PagedMath, bad_sequences, quantize_query
+
+HEAD_DIMS = (64, 128)
+
+
+def default_tiling(head_dim: int) -> MosaicTiling:
+  """The dense forward's tiles (``backends.mosaic.default_tiling``)."""
+  if head_dim <= 64:
+    return MosaicTiling(block_kv=128, num_stages=3)
+  return MosaicTiling(block_kv=128, num_stages=2)
+
+
+def unsupported(cache: PagedKVCache, math: PagedMath) -> Optional[str]:
+  """Why the Mosaic extend cannot serve a call, or None."""
+  if not cache.quantized:
+    return ("a plain (16-bit) cache is attended by the Triton kernel; the "
+            "Mosaic extend reads INT8 K / FP8 V pages")
+  if math.soft_cap is not None:
+    return "logit soft-cap is applied by the Triton kernel only"
+  if cache.head_dim not in HEAD_DIMS:
+    return f"head dim {cache.head_dim} is not one of {HEAD_DIMS}"
+  if math.pv_dtype not in ("fp8_e4m3", "fp16"):
+    return f"pv_dtype {math.pv_dtype!r} (the kernel runs fp8_e4m3 or fp16)"
+  return None
+
+
+def normalization_block(page_table: jax.Array, cache: PagedKVCache) -> int:
+  """``PagedMath.block_k`` of this kernel: every key of a sequence."""
+  return page_table.shape[1] * cache.page_size
+
+
+def _head_major(cache: PagedKVCache, name: str, pages: jax.Array
+                ) -> jax.Array:
+  """Field ``name`` at ``pages [B, M]`` as ``[B, K, M * page_size, ...]``
+  (transposed V pages: ``[B, K, H, M * page_size]``)."""
+  x = getattr(cache, name)
+  b, m = pages.shape
+  if name == "v_pages" and cache.v_transposed:       # [K, P, H, ps]
+    x = jnp.transpose(x[:, pages], (1, 0, 3, 2, 4))   # [B, K, H, M, ps]
+    return x.reshape(x.shape[:3] + (-1,))
+  if cache.layout == "KPSH":                          # [K, P, ps, ...]
+    x = jnp.moveaxis(x[:, pages], 0, 1)               # [B, K, M, ps, ...]
+  else:                                               # [P, ps, K, ...]
+    x = jnp.moveaxis(x[pages], 3, 1)                  # [B, K, M, ps, ...]
+  return x.reshape((b, x.shape[1], -1) + x.shape[4:])
+
+
+def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def prepare(q: jax.Array, q_len: jax.Array, kv_len: jax.Array,
+            cache: PagedKVCache, page_table: jax.Array, math: PagedMath,
+            tiling: MosaicTiling) -> dict:
+  """The kernel's operands (:func:`attention_forward`'s arguments by name)
+  and ``bad``, bool ``[B]`` (see :func:`extend_attention`)."""
+  b, t, n, h = q.shape
+  kh, ps = cache.num_kv_heads, cache.page_size
+  bad = bad_sequences(page_table, kv_len, q_len, jnp.full_like(q_len, t),
+                      cache.num_pages, ps)
+  kv_len = jnp.where(bad, 0, kv_len).astype(jnp.int32)
+  q_len = jnp.where(bad, 0, q_len).astype(jnp.int32)
+  pages = jnp.clip(page_table, 0, cache.num_pages - 1)
+  s = page_table.shape[1] * ps
+  s_pad = -(-s // tiling.block_kv) * tiling.block_kv
+  t_pad = -(-t // (2 * tiling.block_q)) * (2 * tiling.block_q)
+
+  # Keys past a sequence's length come from whatever page their id names:
+  # zero them (a NaN there would reach P·V through a zero P).
+  key_ok = (jnp.arange(s)[None, :] < kv_len[:, None])[:, None]   # [B, 1, S]
+  k8 = jnp.where(key_ok[..., None], _head_major(cache, "k_pages", pages),
+                 jnp.int8(0))
+  ks = jnp.where(key_ok, _head_major(cache, "k_scales", pages), 0.0)
+  vs = jnp.where(key_ok, _head_major(cache, "v_scales", pages), 0.0)
+  c = jnp.max(vs, axis=-1)                                     # [B, K]
+  c = jnp.where(c > 0, c, 1.0)
+  v8 = _head_major(cache, "v_pages", pages)
+  zero8 = jnp.zeros((), quant.FP8_DTYPE)
+  if math.pv_dtype == "fp8_e4m3":
+    if not cache.v_transposed:
+      v8 = jnp.swapaxes(v8, 2, 3)                              # [B, K, H, S]
+    v8 = jnp.where(key_ok[:, :, None], v8, zero8)
+    v = _pad_to(v8, 3, s_pad)[..., pv_key_order(s_pad)]
+  else:
+    if cache.v_transposed:
+      v8 = jnp.swapaxes(v8, 2, 3)                              # [B, K, S, H]
+    v = jnp.where(key_ok[..., None], v8, zero8).astype(jnp.float16)
+    v = _pad_to(v, 2, s_pad)
+  q8, qs = quantize_query(q, math.sm_scale)                    # [B, T, N]
+  v_mean = None
+  if cache.v_smooth is not None:
+    v_mean = jnp.broadcast_to(cache.v_smooth[None], (b, kh, h))
+  return dict(
+      q=_pad_to(jnp.swapaxes(q8, 1, 2), 2, t_pad),             # [B, N, T, H]
+      q_scale=_pad_to(jnp.swapaxes(qs, 1, 2), 2, t_pad),
+      k=_pad_to(k8, 2, s_pad), k_scale=_pad_to(ks, 2, s_pad), v=v,
+      v_scale=jnp.broadcast_to(c[..., None], (b, kh, h)), v_mean=v_mean,
+      v_key_scale=_pad_to(vs / c[..., None], 2, s_pad), q_lengths=q_len,
+      kv_lengths=kv_len, bad=bad)
+
+
+def kernel(operands: dict, math: PagedMath, out_dtype,
+           tiling: MosaicTiling) -> jax.Array:
+  """The Mosaic kernel on :func:`prepare`'s operands: ``[B, T_pad, N, H]``."""
+  ops = {k: v for k, v in operands.items() if k != "bad"}
+  out, _ = attention_forward(
+      ops.pop("q"), ops.pop("q_scale"), ops.pop("k"), ops.pop("k_scale"),
+      ops.pop("v"), ops.pop("v_scale"), ops.pop("v_mean"), None, math.mask,
+      out_dtype=out_dtype, out_layout="BTNH", tiling=tiling, **ops)
+  return out
+
+
+def extend_attention(q: jax.Array, q_len: jax.Array, kv_len: jax.Array,
+                     cache: PagedKVCache, page_table: jax.Array,
+                     math: PagedMath, *, out_dtype,
+                     tiling: Optional[MosaicTiling] = None) -> jax.Array:
+  """The last ``q_len[b]`` of ``kv_len[b]`` tokens of each sequence.
+
+  Args:
+    q: ``[B, T, N, H]``; rows ``t >= q_len[b]`` are padding.
+    q_len, kv_len: int32 ``[B]``.
+    cache, page_table: a quantized cache and int32 ``[B, max_pages]``.
+    math: the call's arithmetic; ``block_k`` must be
+      :func:`normalization_block`.
+    out_dtype: the output's dtype.
+    tiling: kernel tiles, default by head dim.
+
+  Returns:
+    ``[B, T, N, H]``: zeros on padding rows, NaN for every row of a sequence
+    :func:`sagejax.serving.reference.bad_sequences` flags.
+  """
+  reason = unsupported(cache, math)
+  if reason is not None:
+    raise ValueError(f"the Mosaic extend cannot serve this call: {reason}.")
+  if math.block_k != normalization_block(page_table, cache):
+    raise ValueError("PagedMath.block_k must span the whole sequence "
+                     f"({normalization_block(page_table, cache)} keys) for "
+                     f"the Mosaic extend, got {math.block_k}.")
+  tiling = tiling or default_tiling(q.shape[-1])
+  operands = prepare(q, q_len, kv_len, cache, page_table, math, tiling)
+  out = kernel(operands, math, out_dtype, tiling)[:, :q.shape[1]]
+  return jnp.where(operands["bad"][:, None, None, None],
+                   jnp.asarray(jnp.nan, out.dtype), out)
