@@ -377,7 +377,10 @@ def paged_decode(fn: Callable[..., Array], cache: dict[str, Array],
   q = query.reshape((-1,) + query.shape[len(batch):])
   lengths = jnp.full((q.shape[0],), index + t, jnp.int32)
   config = serving.SERVING_CONFIG.replace(pv_dtype=fn.config.pv_dtype)
-  kwargs = dict(config=config, implementation=fn.implementation,
+  # "mosaic" (Hopper): serving picks its Hopper kernels itself (the Mosaic
+  # extend for long chunks, the Triton kernel for decode and short chunks).
+  impl = None if fn.implementation == "mosaic" else fn.implementation
+  kwargs = dict(config=config, implementation=impl,
                 logits_soft_cap=getattr(fn, "logits_soft_cap", None))
   if t == 1:
     out = serving.decode_attention(q[:, 0], paged, table, lengths, **kwargs)

@@ -63,6 +63,33 @@ def test_linen_prompt_then_tokens(monkeypatch, quantized):
     assert bool(cache["cache_smooth_fixed"])
 
 
+def test_mosaic_implementation_lets_serving_choose(monkeypatch):
+  """An ``attention_fn`` for ``"mosaic"`` (the dense Hopper backend) reads
+  the cache through serving's own choice (None): serving's decode has no
+  Mosaic kernel, and its extend takes Mosaic only for long chunks."""
+  from sagejax import serving
+  seen = []
+  for name in ("decode_attention", "extend_attention"):
+    original = getattr(serving, name)
+
+    def spy(*args, original=original, **kwargs):
+      seen.append(kwargs["implementation"])
+      return original(*args, **kwargs)
+    monkeypatch.setattr(serving, name, spy)
+  x = jax.random.normal(jax.random.key(3), (B, T, F))
+  mod = snn.SageMultiHeadAttention(num_heads=HEADS, decode=True,
+                                   quantized_cache=True)
+  cache = mod.init(jax.random.key(0), x)["cache"]
+  fn = snn.attention_fn(implementation="mosaic")
+  for index, t in ((0, PROMPT), (PROMPT, 1)):
+    query = jax.random.normal(jax.random.key(index),
+                              (B, t, HEADS, F // HEADS))
+    out = snn.paged_decode(fn, cache, jnp.int32(index), query)
+    assert out.shape == query.shape
+    assert np.all(np.isfinite(np.asarray(out)))
+  assert seen == [None, None]
+
+
 def test_linen_masked_and_foreign_attention_fn_see_the_same_cache():
   """A mask (or another attention_fn) takes the dequantized cache with
   Flax's decode mask: T > 1 tokens causal, the same attention up to the
