@@ -623,6 +623,18 @@ def test_mosaic_extend_selection(monkeypatch, next_key):
   assert pick(quant_cache, math, False, t,
               serving.PagedTiling()) == "pallas"
   assert pick(quant_cache, math, False, 1, MosaicTiling()) == "mosaic"
+  # Packed rows: 4 sequences of 80 rows on average take Triton, whatever
+  # max_q_len says.
+  table, lens = jnp.zeros((4, 20), jnp.int32), jnp.full((4,), 300, jnp.int32)
+  picked = []
+  monkeypatch.setattr(attention_lib, "_paged",
+                      lambda *a, implementation, **k: picked.append(
+                          implementation))
+  serving.extend_attention(jnp.ones((320, 4, 64)), quant_cache, table, lens,
+                           cu_seqlens=jnp.arange(0, 321, 80, dtype=jnp.int32),
+                           max_q_len=300)
+  serving.extend_attention(jnp.ones((4, t, 4, 64)), quant_cache, table, lens)
+  assert picked == ["pallas", "mosaic"]
   q = jnp.ones((1, 4, 1, 64))
   for kwargs, match in (
       (dict(implementation="mosaic", logits_soft_cap=5.0), "soft-cap"),

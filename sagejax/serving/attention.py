@@ -39,8 +39,9 @@ from sagejax.serving.triton_paged import PagedTiling
 IMPLEMENTATIONS = ("mosaic", "pallas", "xla")
 
 MOSAIC_MIN_QUERY_TOKENS = 256
-"""Extend chunks of at least this many query tokens (per sequence, the
-padded ``T`` or ``max_q_len``) take the Mosaic kernel on Hopper. It owns 128
+"""Extend chunks of at least this many query tokens per sequence (the padded
+``T``; packed: the rows over the sequences, at most ``max_q_len``) take the
+Mosaic kernel on Hopper. It owns 128
 query rows of one head per CTA and gathers the pages first; measured on an
 H100 (B=8, 8k cached tokens, GQA 32/8, H=128): Triton 372 / 663 / 1245 µs
 for chunks of 64 / 128 / 256 tokens, Mosaic 712 / 842 / 1083 µs
@@ -146,7 +147,9 @@ def _mosaic_unsupported(cache, math, decode: bool, interpret: bool
 
 
 def _select(implementation: Optional[str], interpret: bool, q, cache, math,
-            decode: bool, t_cap: int, tiling) -> str:
+            decode: bool, tokens: int, tiling) -> str:
+  """The implementation that runs the call (``tokens``: query tokens per
+  sequence); raises when the one named cannot."""
   if implementation not in (None,) + IMPLEMENTATIONS:
     raise ValueError(f"Unknown implementation {implementation!r}: pass one of "
                      f"{IMPLEMENTATIONS} or None (pick automatically).")
@@ -165,7 +168,7 @@ def _select(implementation: Optional[str], interpret: bool, q, cache, math,
                        "implementation=None.")
     return "mosaic"
   if (implementation is None and tiling is None and mosaic_reason is None
-      and t_cap >= MOSAIC_MIN_QUERY_TOKENS and is_hopper()):
+      and tokens >= MOSAIC_MIN_QUERY_TOKENS and is_hopper()):
     return "mosaic"
   reason = _pallas_unsupported(q, cache, math)
   if implementation == "pallas":
@@ -370,7 +373,8 @@ def extend_attention(
       Mosaic GPU kernel on the gathered pages, :mod:`.mosaic_paged`),
       ``"pallas"`` (the Triton kernel, sm80+), ``"xla"``, or None: Mosaic on
       Hopper for chunks of :data:`MOSAIC_MIN_QUERY_TOKENS` or more (the
-      padded ``T`` or ``max_q_len``) when it serves the call, else Triton.
+      padded ``T``; packed: rows per sequence) when it serves the call,
+      else Triton.
     tiling: a :class:`PagedTiling` (selects the Triton kernel) or a
       :class:`~sagejax.kernels.mosaic_attention.MosaicTiling` (the Mosaic
       one); default by page size and head dim.
@@ -455,7 +459,10 @@ def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
       sm_scale=sm_scale, window=_window(local_window_size),
       soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       pv_dtype=config.pv_dtype)
-  impl = _select(implementation, interpret, q, cache, math, decode, t_cap,
+  # Query tokens per sequence: packed rows are averaged over the sequences
+  # (max_q_len may bound a few long ones among many short).
+  tokens = min(t_cap, -(-q.shape[0] // lengths.shape[0])) if packed else t_cap
+  impl = _select(implementation, interpret, q, cache, math, decode, tokens,
                  tiling)
   if impl == "mosaic":
     if default_config:
