@@ -33,6 +33,7 @@ from sagejax.serving.cache import (
     check_pages,
     token_counts,
 )
+from sagejax.serving.mosaic_paged import MOSAIC_EXTEND_CONFIG
 from sagejax.serving.reference import PagedMath
 from sagejax.serving.triton_paged import PagedTiling
 
@@ -41,11 +42,10 @@ IMPLEMENTATIONS = ("mosaic", "pallas", "xla")
 MOSAIC_MIN_QUERY_TOKENS = 256
 """Extend chunks of at least this many query tokens per sequence (the padded
 ``T``; packed: the rows over the sequences, at most ``max_q_len``) take the
-Mosaic kernel on Hopper. It owns 128
-query rows of one head per CTA and gathers the pages first; measured on an
-H100 (B=8, 8k cached tokens, GQA 32/8, H=128): Triton 372 / 663 / 1245 µs
-for chunks of 64 / 128 / 256 tokens, Mosaic 712 / 842 / 1083 µs
-(benchmarks/NOTES.md)."""
+Mosaic kernel on Hopper. It owns 128 query rows of one head per CTA and
+gathers the pages first; measured on an H100 (B=8, 8k cached tokens, GQA
+32/8, H=128): Triton 372 / 663 / 1245 µs for chunks of 64 / 128 / 256
+tokens, Mosaic 712 / 842 / 1083 µs (benchmarks/NOTES.md)."""
 
 SERVING_CONFIG = SageConfig(qk_granularity="per_token", pv_dtype="fp16")
 """The default of decode and of the Triton extend: INT8 Q·Kᵀ (Q per row, K
@@ -54,12 +54,6 @@ per token), FP16 P·V with the FP8 V values (exact in FP16); FP8 P
 pages) is no faster there (H100 decode 1-3% slower, extend a third slower) and
 adds P's rounding."""
 
-MOSAIC_EXTEND_CONFIG = SERVING_CONFIG.replace(pv_dtype="fp8_e4m3")
-"""The default of the Mosaic extend (``config=None``): FP8 P̃ on FP8
-``wgmma``, SageAttention2's P·V, as the dense ``sage2-8b`` default. Measured
-on an H100 (4k chunk, 8k-32k cached tokens): 1.15-1.24x cuDNN, FP16 P 0.96-
-1.05x; relative L2 error vs exact 0.037 instead of 0.027 on N(0, 1) data,
-0.0030 instead of 0.0020 on Q/K/V channel-bias data."""
 
 
 
