@@ -7,10 +7,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from sagejax import _inputs
-from sagejax.bench import accuracy, methods, report, timing
+from sagejax.bench import accuracy, methods, report, serving, timing
 from sagejax.bench.cli import main
 from sagejax.config import PRESETS
 
@@ -108,6 +109,11 @@ def test_results_file_sections(run, tmp_path):
      "more than the"),
     (["--heads", "6", "--kv-heads", "4"], "must be a multiple of"),
     (["bogus"], "invalid choice"),
+    (["extend", "--chunk", "0"], "--chunk: sizes must be >= 1"),
+    (["decode", "--page-size", "12"], "--page-size must be a power of two"),
+    (["decode", "--heads", "6", "--kv-heads", "4"], "must be a multiple of"),
+    (["decode", "--seq", "4000k", "--batch", "64", "--heads", "64"],
+     "more than the"),
 ])
 def test_bad_arguments(args, message, capsys, tmp_path):
   with pytest.raises(SystemExit) as e:
@@ -115,6 +121,123 @@ def test_bad_arguments(args, message, capsys, tmp_path):
   assert e.value.code == 2
   assert message in capsys.readouterr().err
   assert not (tmp_path / "results.json").exists()
+
+
+SERVING_ARGS = ["--quick", "--heads", "2", "--kv-heads", "1", "--head-dim",
+                "32", "--repeats", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def serving_run(tmp_path_factory):
+  """``decode`` and ``extend`` in ``--quick`` mode with tiny shapes (a
+  partly filled last page in decode) and every serving method: mode →
+  (out dir, report)."""
+  backends = ["xla", "jax-xla", "cudnn", "jax-paged"]
+  if methods.INTERPRET in methods.sage_backend_names():
+    backends.append(methods.INTERPRET)
+  runs = {}
+  for mode, shape in (("decode", ["--seq", "64", "100"]),
+                      ("extend", ["--seq", "48", "--chunk", "16"])):
+    out = tmp_path_factory.mktemp(mode)
+    assert main([mode] + shape + SERVING_ARGS + [
+        "--backends", ",".join(backends), "--out", str(out)]) == 0
+    runs[mode] = out, json.loads((out / "results.json").read_text())
+  return runs
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_serving_rows(serving_run, mode):
+  _, rep = serving_run[mode]
+  assert set(rep["results"]) == {mode}
+  shapes = rep["settings"][f"{mode}_shapes"]
+  assert shapes and all(s["heads"] == 2 and s["kv_heads"] == 1 and
+                        s["head_dim"] == 32 and s["page_size"] == 16
+                        for s in shapes)
+  if mode == "decode":
+    assert [(s["prefix"], s["chunk"]) for s in shapes] == [(63, 1), (99, 1)]
+  else:
+    assert [(s["prefix"], s["chunk"]) for s in shapes] == [(48, 16)]
+  rows = rep["results"][mode]
+  want = {"xla:int8/fp8", "xla:bf16", "jax-xla"}
+  if methods.INTERPRET in methods.sage_backend_names():
+    want |= {f"{methods.INTERPRET}:int8/fp8", f"{methods.INTERPRET}:bf16"}
+  for key in want:
+    got = [r for r in rows if r["method"] == key]
+    assert len(got) == len(shapes), key
+    for r in got:
+      assert r["status"] == "ok" and r["mode"] == mode, r
+      assert r["time_us"] > 0 and r["tops"] > 0 and r["tb_s"] > 0
+  r = next(r for r in rows if r["method"] == "xla:int8/fp8")
+  s = shapes[0]
+  assert r["bytes_read"] == s["batch"] * (s["prefix"] + s["chunk"]) * (
+      s["kv_heads"]) * (2 * s["head_dim"] + 8)
+  if jax.devices()[0].platform != "gpu":
+    # GPU-only baselines: no rows, one note.
+    assert not [r for r in rows if r["method"] in ("cudnn", "jax-paged")]
+    assert any("cudnn, jax-paged need an NVIDIA GPU" in n
+               for n in rep["notes"])
+
+
+def test_serving_markdown_and_plots(serving_run):
+  out, _ = serving_run["decode"]
+  md = (out / "results.md").read_text()
+  for text in ("## Decode over a paged KV cache (µs, cache TB/s)",
+               "| B | cached tokens | sagejax xla int8/fp8 |", " µs (",
+               " TB/s) |", "(decode.png)"):
+    assert text in md
+  out, _ = serving_run["extend"]
+  md = (out / "results.md").read_text()
+  for text in ("## Extend over a paged KV cache (TOPS)",
+               "| B | chunk T | prefix P | sagejax xla int8/fp8 |",
+               " TOPS (", "**not causal**", "(extend.png)"):
+    assert text in md
+  for mode in ("decode", "extend"):
+    out, _ = serving_run[mode]
+    data = (out / f"{mode}.png").read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_serving_vs_cudnn_column():
+  """The × cuDNN column: cuDNN's time over the fastest sagejax INT8/FP8."""
+  def row(method, backend, pages, family, ms):
+    return {"method": method, "label": method, "backend": backend,
+            "pages": pages, "family": family, "status": "ok",
+            "time_ms": ms, "time_us": ms * 1e3, "tb_s": 1.0, "tops": 1.0,
+            "batch": 2, "heads": 4, "kv_heads": 2, "head_dim": 64,
+            "prefix": 255, "chunk": 1, "tokens": 256, "page_size": 16,
+            "repeats": 3}
+  rows = [row("xla:int8/fp8", "xla", "int8/fp8", "sagejax", 2.0),
+          row("pallas:int8/fp8", "pallas", "int8/fp8", "sagejax", 0.5),
+          row("pallas:bf16", "pallas", "bf16", "sagejax", 0.25),
+          row("cudnn", None, "dense bf16", "baseline", 1.0)]
+  md = "\n".join(report.decode_markdown(rows, "##"))
+  assert "| × cuDNN |" in md and "| 2.00× (pallas) |" in md
+  assert "× cuDNN |" not in "\n".join(report.decode_markdown(rows[:3], "##"))
+
+
+def test_serving_shape_work_and_split_table():
+  s = serving.ServingShape(batch=2, heads=8, kv_heads=2, head_dim=64,
+                           prefix=100, chunk=4, page_size=16)
+  assert s.tokens == 104 and s.pages == 7
+  assert s.flops == 4 * 2 * 8 * 64 * (4 * 100 + 4 * 5 / 2)
+  assert s.cache_bytes(False) == 2 * 104 * 2 * 4 * 64
+  assert s.cache_bytes(True) == 2 * 104 * 2 * (2 * 64 + 8)
+  for pages, want in ((7, 16), (16, 16), (200, 256), (256, 256)):
+    table = np.arange(2 * pages, dtype=np.int32).reshape(2, pages)
+    split = serving._split_table(table)  # pylint: disable=protected-access
+    assert split.shape == (2, want)
+    assert np.array_equal(split[:, :pages], table)
+
+
+def test_speed_ignores_serving_baselines(tmp_path):
+  """jax-paged is a serving baseline: speed runs without it."""
+  assert main(["speed", "--quick", "--seq", "128", "--head-dim", "32",
+               "--heads", "2", "--no-causal", "--repeats", "1",
+               "--no-kernel-only", "--no-plots", "--no-progress",
+               "--backends", "jax-xla,jax-paged", "--out", str(tmp_path)]
+              ) == 0
+  rep = json.loads((tmp_path / "results.json").read_text())
+  assert {r["method"] for r in rep["results"]["speed"]} == {"jax-xla"}
 
 
 def test_unavailable_backend_is_explained(capsys, tmp_path):

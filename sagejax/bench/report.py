@@ -13,6 +13,7 @@ from sagejax.bench import env
 from sagejax.bench.accuracy import ANCHORS, ANCHOR_SHAPE, anchor_comparison
 
 SPEED_PNG, ACCURACY_PNG, TRAIN_PNG = "speed.png", "accuracy.png", "train.png"
+DECODE_PNG, EXTEND_PNG = "decode.png", "extend.png"
 
 
 # ----------------------------------------------------------------------------
@@ -46,6 +47,14 @@ def _yes(b: bool) -> str:
 
 def _seq(s: int) -> str:
   return f"{s // 1024}k" if s % 1024 == 0 else str(s)
+
+
+def _us(x: Optional[float]) -> str:
+  if x is None:
+    return "–"
+  if x >= 100:
+    return f"{x:.0f}"
+  return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -168,6 +177,95 @@ def memory_markdown(rows: list[dict[str, Any]], h: str) -> list[str]:
                          "planned total", "measured peak"], body) + [""]
 
 
+def _serving_shapes(rows: list[dict[str, Any]]) -> list[tuple[int, ...]]:
+  """(tokens, B, prefix, chunk) of the rows' shapes, in run order."""
+  return list(dict.fromkeys((r["tokens"], r["batch"], r["prefix"], r["chunk"])
+                            for r in rows))
+
+
+def _vs_cudnn(sub: list[dict[str, Any]]) -> Optional[str]:
+  """cuDNN's time over the fastest sagejax INT8/FP8 row's, with its backend;
+  None unless both ran."""
+  ok = [r for r in sub if r["status"] == "ok"]
+  cudnn = next((r for r in ok if r["method"] == "cudnn"), None)
+  sage = [r for r in ok if r["family"] == "sagejax"
+          and r["pages"] == "int8/fp8"]
+  if cudnn is None or not sage:
+    return None
+  best = min(sage, key=lambda r: r["time_ms"])
+  return f"{cudnn['time_ms'] / best['time_ms']:.2f}× ({best['backend']})"
+
+
+def _serving_markdown(rows: list[dict[str, Any]], title: str, what: str,
+                      first: list[str], first_cells, cell) -> list[str]:
+  """A table: one line per shape, one column per method (``cell(row)``),
+  and a "× cuDNN" column when cuDNN ran."""
+  if not rows:
+    return []
+  r0 = rows[0]
+  timing = next((r for r in rows if r["status"] == "ok"), None)
+  how = (f"median of {timing['repeats']} repeats of back-to-back calls on "
+         "rotating inputs (a fresh q, copies of the caches)" if timing
+         else "no method ran")
+  lines = [title, "",
+           what.format(how=how, N=r0["heads"], K=r0["kv_heads"],
+                       H=r0["head_dim"], ps=r0["page_size"])
+           + " – = skipped or failed (see notes).", ""]
+  labels = _labels(rows)
+  ratio = any(r["method"] == "cudnn" and r["status"] == "ok" for r in rows)
+  body = []
+  for key in _serving_shapes(rows):
+    sub = [r for r in rows
+           if (r["tokens"], r["batch"], r["prefix"], r["chunk"]) == key]
+    cells = {r["label"]: cell(r) if r["status"] == "ok" else "–"
+             for r in sub}
+    line = first_cells(sub[0]) + [cells.get(l, "–") for l in labels]
+    if ratio:
+      line.append(_vs_cudnn(sub) or "–")
+    body.append(line)
+  header = first + labels + (["× cuDNN"] if ratio else [])
+  return lines + _table(header, body) + [""]
+
+
+def decode_markdown(rows: list[dict[str, Any]], h: str) -> list[str]:
+  return _serving_markdown(
+      rows, f"{h} Decode over a paged KV cache (µs, cache TB/s)",
+      "One bf16 query token per sequence (q [B, N, H]) against all its cached "
+      "tokens; N={N}, K={K}, H={H}, pages of {ps} in a shuffled page table. "
+      "Cell: time (cache bytes read per second: the cached tokens' K and V "
+      "pages and scales, INT8 K + FP8 V + two f32 scales per token and head "
+      "on INT8/FP8 pages, bf16 K and V otherwise), {how}. sagejax: "
+      "`sagejax.serving.decode_attention` on INT8/FP8 and on bf16 pages "
+      "(config=None, default tiling); jax.nn xla and cuDNN: "
+      "`jax.nn.dot_product_attention` on a dense contiguous bf16 cache "
+      "[B, S, K, H] (one query token: nothing to mask); JAX paged: "
+      "`jax.experimental.pallas.ops.gpu.paged_attention` on the bf16 pages "
+      "(k_splits=16). × cuDNN: cuDNN's time over the fastest sagejax "
+      "INT8/FP8 row's.",
+      ["B", "cached tokens"], lambda r: [str(r["batch"]), _seq(r["tokens"])],
+      lambda r: f"{_us(r['time_us'])} µs ({_tops(r['tb_s'])} TB/s)")
+
+
+def extend_markdown(rows: list[dict[str, Any]], h: str) -> list[str]:
+  return _serving_markdown(
+      rows, f"{h} Extend over a paged KV cache (TOPS)",
+      "A chunk of T new bf16 query tokens per sequence (q [B, T, N, H]) "
+      "against its P cached prefix tokens and itself, causal with the "
+      "diagonal at the bottom right; N={N}, K={K}, H={H}, pages of {ps} in "
+      "a shuffled page table. Cell: TOPS (time), TOPS = 4·B·N·H·(T·P + "
+      "T·(T+1)/2) / time, the causal work, for every method; {how}. sagejax: "
+      "`sagejax.serving.extend_attention` on INT8/FP8 and on bf16 pages "
+      "(config=None, default tiling). jax.nn xla and cuDNN: "
+      "`jax.nn.dot_product_attention` on a dense contiguous bf16 cache, "
+      "**not causal** (all P+T keys for every query: jax.nn's cuDNN path has "
+      "no bottom-right causal mask), so they compute more than the work "
+      "counted. × cuDNN: cuDNN's time over the fastest sagejax INT8/FP8 "
+      "row's.",
+      ["B", "chunk T", "prefix P"],
+      lambda r: [str(r["batch"]), _seq(r["chunk"]), _seq(r["prefix"])],
+      lambda r: f"{_tops(r['tops'])} TOPS ({_us(r['time_us'])} µs)")
+
+
 def row_notes(results: dict[str, list[dict[str, Any]]]) -> list[str]:
   """One note per (section, method, message) for rows that did not run."""
   counts: dict[tuple, int] = {}
@@ -207,6 +305,13 @@ def markdown(report: dict[str, Any], plots: dict[str, str], level: int = 1
   if TRAIN_PNG in plots:
     lines += [f"![Training-step TFLOPS vs sequence length]"
               f"({plots[TRAIN_PNG]})", ""]
+  lines += decode_markdown(res.get("decode", []), h)
+  if DECODE_PNG in plots:
+    lines += [f"![Decode cache TB/s vs cached tokens]({plots[DECODE_PNG]})",
+              ""]
+  lines += extend_markdown(res.get("extend", []), h)
+  if EXTEND_PNG in plots:
+    lines += [f"![Extend TOPS vs prefix length]({plots[EXTEND_PNG]})", ""]
   if report["notes"]:
     lines += [f"{h} Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
   return "\n".join(lines)
@@ -284,6 +389,69 @@ def plot_speed(rows: list[dict[str, Any]], path: pathlib.Path,
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return True
+
+
+def _plot_serving(rows: list[dict[str, Any]], path: pathlib.Path,
+                  metric: str, ylabel: str, title: str, xlabel: str,
+                  xtick) -> bool:
+  """``metric`` per method over the shapes (in run order, one tick each,
+  ``xtick(row)``); dashed: bf16 pages. False if no data."""
+  ok = [r for r in rows if r["status"] == "ok" and r.get(metric)]
+  if not ok:
+    return False
+  plt = _pyplot()
+  keys = _serving_shapes(rows)
+  ticks = {}
+  for r in rows:
+    ticks.setdefault((r["tokens"], r["batch"], r["prefix"], r["chunk"]),
+                     xtick(r))
+  labels = _labels(rows)
+  # One color per sagejax backend (both its page kinds) or baseline.
+  groups = list(dict.fromkeys(r["backend"] or r["label"] for r in rows))
+  colors = plt.get_cmap("tab10")
+  fig, ax = plt.subplots(figsize=(7.0, 4.8))
+  for label in labels:
+    mine = [r for r in ok if r["label"] == label]
+    if not mine:
+      continue
+    pts = sorted((keys.index((r["tokens"], r["batch"], r["prefix"],
+                              r["chunk"])), r[metric]) for r in mine)
+    bf16 = mine[0]["family"] == "sagejax" and mine[0]["pages"] == "bf16"
+    color = colors(groups.index(mine[0]["backend"] or label) % 10)
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label,
+            color=color, linestyle="--" if bf16 else "-",
+            marker="s" if bf16 else "o", markersize=4)
+  ax.set_xticks(range(len(keys)))
+  ax.set_xticklabels([ticks[key] for key in keys])
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_ylim(bottom=0)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8, frameon=False)
+  r0 = rows[0]
+  ax.set_title(f"{title}, N={r0['heads']} K={r0['kv_heads']} "
+               f"H={r0['head_dim']}, pages of {r0['page_size']} (dashed: "
+               "sagejax on bf16 pages)", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def plot_decode(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
+  """Decode: cache TB/s per method vs (cached tokens, B)."""
+  return _plot_serving(rows, path, "tb_s", "cache TB/s (bytes read / time)",
+                       "Decode", "cached tokens per sequence (batch B)",
+                       lambda r: f"{_seq(r['tokens'])}\nB={r['batch']}")
+
+
+def plot_extend(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
+  """Extend: TOPS (causal work) per method vs the cached prefix."""
+  r0 = rows[0] if rows else {}
+  return _plot_serving(rows, path, "tops", "TOPS (causal work)", "Extend",
+                       f"cached prefix P (chunk T={r0.get('chunk')}, "
+                       f"B={r0.get('batch')})",
+                       lambda r: _seq(r["prefix"]))
 
 
 def _anchor_points(rows, labels, data, causal, metric
@@ -369,7 +537,9 @@ def write_plots(report: dict[str, Any], out: pathlib.Path,
   for name, fn, rows in ((SPEED_PNG, plot_speed, res.get("speed", [])),
                          (ACCURACY_PNG, plot_accuracy,
                           res.get("accuracy", [])),
-                         (TRAIN_PNG, plot_train, res.get("train", []))):
+                         (TRAIN_PNG, plot_train, res.get("train", [])),
+                         (DECODE_PNG, plot_decode, res.get("decode", [])),
+                         (EXTEND_PNG, plot_extend, res.get("extend", []))):
     if rows and fn(rows, out / name):
       made[name] = out / name
   return made

@@ -4,19 +4,26 @@ Defaults depend on ``--quick`` and on the platform: on a GPU the full sweep
 (B=4, N=32, H ∈ {64, 128}, S = 1k…16k; training steps at the ANCHORS training
 setting B=2, N=32, bf16); ``--quick`` (and a CPU without shape flags) uses
 tiny shapes. Accuracy defaults to the ANCHORS setting (B=2, N=8, T=S=4096,
-H=128, fp16).
+H=128, fp16). Serving (decode, extend) defaults to GQA N=32, K=8, H=128,
+pages of 16: decode at (B, cached tokens) = (32, 4k), (32, 16k), (8, 32k);
+extend a 4096-token chunk on prefixes of 8k, 16k and 32k tokens, B=2.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from sagejax.bench.methods import Shape
 from sagejax.bench.timing import TimingConfig
 
+if TYPE_CHECKING:
+  from sagejax.bench.serving import ServingShape
+
 COMMANDS = ("speed", "accuracy", "memory", "train")
+# Serving modes: run only when named (not part of "all").
+SERVING_COMMANDS = ("decode", "extend")
 
 SPEED_FULL = {"batch": 4, "heads": 32, "head_dims": (64, 128),
               "seqs": (1024, 2048, 4096, 8192, 16384)}
@@ -33,6 +40,16 @@ ACCURACY_QUICK = {"batch": 1, "heads": 2, "head_dims": (64,), "seqs": (256,)}
 DATA_QUICK = ("normal", "channel_bias")
 MEMORY_SEQ_FULL = 16384
 MEMORY_SEQ_QUICK = 1024
+# Serving: (B, cached tokens) pairs for decode; B, chunk and prefixes for
+# extend; GQA heads, head dim and page size for both.
+DECODE_FULL = {"batch_tokens": ((32, 4096), (32, 16384), (8, 32768)),
+               "heads": 32, "kv_heads": 8, "head_dim": 128, "page_size": 16}
+DECODE_QUICK = {"batch_tokens": ((2, 256), (2, 1000)), "heads": 4,
+                "kv_heads": 2, "head_dim": 64, "page_size": 16}
+EXTEND_FULL = {"batch": 2, "chunk": 4096, "prefixes": (8192, 16384, 32768),
+               "heads": 32, "kv_heads": 8, "head_dim": 128, "page_size": 16}
+EXTEND_QUICK = {"batch": 1, "chunk": 64, "prefixes": (128,), "heads": 4,
+                "kv_heads": 2, "head_dim": 64, "page_size": 16}
 
 TIMING_GPU = TimingConfig(repeats=5, target_s=0.1, min_calls=10,
                           max_calls=200)
@@ -60,6 +77,8 @@ class Settings:
   memory_shape: Shape
   timing: TimingConfig
   train_shapes: list[Shape] = dataclasses.field(default_factory=list)
+  decode_shapes: list[ServingShape] = dataclasses.field(default_factory=list)
+  extend_shapes: list[ServingShape] = dataclasses.field(default_factory=list)
   train_dtype: Any = None
   kernel_only: bool = True
   plots: bool = True
@@ -90,6 +109,8 @@ class Settings:
         "train_dtype": (None if self.train_dtype is None else
                         getattr(self.train_dtype, "__name__",
                                 str(self.train_dtype))),
+        "decode_shapes": [dataclasses.asdict(s) for s in self.decode_shapes],
+        "extend_shapes": [dataclasses.asdict(s) for s in self.extend_shapes],
         "timing": dataclasses.asdict(self.timing),
         "seed": self.seed,
     }
