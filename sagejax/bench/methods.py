@@ -302,8 +302,12 @@ def baseline_methods(names: list[str]) -> tuple[list[Method], list[str]]:
   return methods, notes
 
 
-def one_line(e: BaseException, limit: int = 160) -> str:
-  """The first line of an exception, with its type, cut to ``limit`` chars."""
+def one_line(e: BaseException, limit: int = 160, typed: bool = True) -> str:
+  """The first line of an exception (after its type when ``typed``; the
+  type alone when it has no text), cut to ``limit`` chars."""
   text = str(e).strip().splitlines()
-  msg = f"{type(e).__name__}: {text[0] if text else ''}"
+  if typed:
+    msg = f"{type(e).__name__}: {text[0] if text else ''}"
+  else:
+    msg = text[0] if text else type(e).__name__
   return msg if len(msg) <= limit else msg[:limit - 1] + "…"

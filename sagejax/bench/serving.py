@@ -38,8 +38,7 @@ from sagejax import serving
 from sagejax.bench import env
 from sagejax.bench.methods import INTERPRET, Skip, one_line, sage_backend
 from sagejax.bench.progress import Task
-from sagejax.bench.speed import check_fits, compiled_memory
-from sagejax.bench.timing import rotating_sets, time_calls, tree_bytes
+from sagejax.bench.speed import time_rotating
 
 if TYPE_CHECKING:
   from sagejax.bench.settings import Settings
@@ -319,12 +318,6 @@ def serving_methods(backends: list[str], baselines: list[str],
 # ----------------------------------------------------------------------------
 
 
-def _first_line(e: BaseException, limit: int = 200) -> str:
-  text = str(e).strip().splitlines()
-  msg = text[0] if text else type(e).__name__
-  return msg if len(msg) <= limit else msg[:limit - 1] + "…"
-
-
 def base_row(method: ServingMethod, shape: ServingShape, mode: str
              ) -> dict[str, Any]:
   return {"method": method.key, "label": method.label,
@@ -349,16 +342,14 @@ def measure(method: ServingMethod, shape: ServingShape, mode: str,
     try:
       lowered = jax.jit(fn).lower(*args)
     except (ValueError, NotImplementedError) as e:  # refused while tracing
-      raise Skip(f"does not serve this call: {_first_line(e)}") from e
+      reason = one_line(e, 200, typed=False)
+      raise Skip(f"does not serve this call: {reason}") from e
     compiled = lowered.compile()
     row["compile_s"] = round(time.perf_counter() - start, 3)
-    n = rotating_sets(tree_bytes(args), settings.timing)
-    mem = compiled_memory(compiled)
-    if mem is not None:
-      check_fits(mem["total_bytes"] + (n - 1) * mem["argument_bytes"],
-                 settings.memory_limit, method.label)
-    sets = [args] + [inputs.get(shape, i, names) for i in range(1, n)]
-    t = time_calls(compiled, sets, settings.timing)
+    t = time_rotating(
+        compiled, args,
+        lambda n: [inputs.get(shape, i, names) for i in range(1, n)],
+        settings, method.label)
     nbytes = shape.cache_bytes(method.pages == QUANTIZED)
     row.update(time_ms=t.median_s * 1e3, time_ms_min=t.min_s * 1e3,
                time_us=t.median_s * 1e6, tops=shape.flops / t.median_s / 1e12,

@@ -67,6 +67,19 @@ def check_fits(need: int, limit: Optional[int], what: str) -> None:
                f"{env.fmt_bytes(limit)} of device memory")
 
 
+def time_rotating(compiled, args: tuple, more_sets, settings: Settings,
+                  label: str):
+  """Times ``compiled`` on ``args`` and, so that the sets together exceed
+  twice the L2, ``more_sets(n)`` (the other ``n - 1`` sets), after checking
+  they fit the device (:class:`Skip` otherwise)."""
+  n = rotating_sets(tree_bytes(args), settings.timing)
+  mem = compiled_memory(compiled)
+  if mem is not None:
+    check_fits(mem["total_bytes"] + (n - 1) * mem["argument_bytes"],
+               settings.memory_limit, label)
+  return time_calls(compiled, [args] + list(more_sets(n)), settings.timing)
+
+
 def base_row(method: Method, shape: Shape) -> dict[str, Any]:
   return {"method": method.key, "label": method.label,
           "family": method.family, "mode": method.mode,
@@ -105,14 +118,10 @@ def timed_row(method: Method, shape: Shape, pool: InputPool,
     start = time.perf_counter()
     compiled, as_args, args = compile_fn(method, shape, pool)
     row["compile_s"] = round(time.perf_counter() - start, 3)
-    n = rotating_sets(tree_bytes(args), settings.timing)
-    mem = compiled_memory(compiled)
-    if mem is not None:
-      check_fits(mem["total_bytes"] + (n - 1) * mem["argument_bytes"],
-                 settings.memory_limit, method.label)
-    raw = pool.get(shape, method.dtype, n)
-    sets = [args] + [as_args(r) for r in raw[1:]]
-    t = time_calls(compiled, sets, settings.timing)
+    t = time_rotating(
+        compiled, args,
+        lambda n: [as_args(r) for r in pool.get(shape, method.dtype, n)[1:]],
+        settings, method.label)
     row.update(time_ms=t.median_s * 1e3, time_ms_min=t.min_s * 1e3,
                tops=flops / t.median_s / 1e12, calls=t.calls,
                repeats=t.repeats, input_sets=t.input_sets)

@@ -271,33 +271,22 @@ def _paged(q, cache, page_table, lengths, q_len, cu_seqlens, *,
     q_len = q_cap if q_len is None else q_len.astype(jnp.int32)
     rows = q.reshape(b * t_cap, n, h)
 
-  if implementation == "mosaic":
-    if packed:   # the padded [B, max_q_len] rows, then back to the packed
-      idx = q_start[:, None] + jnp.arange(t_cap)[None, :]
-      qp = rows[jnp.clip(idx, 0, rows.shape[0] - 1)]
-      out = mosaic_paged.extend_attention(qp, q_len, kv_len, cache,
-                                          page_table, math, out_dtype=q.dtype,
-                                          tiling=tiling)
-      seq, tok, valid = _packed_rows(cu, b, rows.shape[0])
-      return jnp.where(valid[:, None, None],
-                       out[seq, jnp.clip(tok, 0, t_cap - 1)],
-                       jnp.zeros((), out.dtype))
-    return mosaic_paged.extend_attention(q, q_len, kv_len, cache, page_table,
-                                         math, out_dtype=q.dtype,
-                                         tiling=tiling)
-
-  if implementation == "xla":
-    if packed:
-      idx = q_start[:, None] + jnp.arange(t_cap)[None, :]
-      qp = rows[jnp.clip(idx, 0, rows.shape[0] - 1)]
-      out = reference.paged_attention(qp, q_len, cache, page_table, kv_len,
-                                      math)
-      seq, tok, valid = _packed_rows(cu, b, rows.shape[0])
-      out = jnp.where(valid[:, None, None], out[seq, jnp.clip(tok, 0, t_cap - 1)],
-                      0.0)
-      return out.astype(q.dtype)
-    out = reference.paged_attention(q, q_len, cache, page_table, kv_len, math)
-    return out.astype(q.dtype)
+  if implementation in ("mosaic", "xla"):   # both take padded queries
+    def attend(qp):   # [B, t_cap, N, H] -> the same, in q's dtype
+      if implementation == "mosaic":
+        return mosaic_paged.extend_attention(qp, q_len, kv_len, cache,
+                                             page_table, math,
+                                             out_dtype=q.dtype, tiling=tiling)
+      return reference.paged_attention(qp, q_len, cache, page_table, kv_len,
+                                       math).astype(q.dtype)
+    if not packed:
+      return attend(q)
+    # The padded [B, t_cap] rows, then back to the packed ones.
+    idx = q_start[:, None] + jnp.arange(t_cap)[None, :]
+    out = attend(rows[jnp.clip(idx, 0, rows.shape[0] - 1)])
+    seq, tok, valid = _packed_rows(cu, b, rows.shape[0])
+    out = out[seq, jnp.clip(tok, 0, t_cap - 1)]
+    return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))
 
   bt = tiling.block_q
   nq = -(-t_cap // bt)
