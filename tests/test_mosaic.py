@@ -135,6 +135,20 @@ def test_lowers_for_cuda(preset, layout, masks, h):
   assert "mosaic_gpu" in text and "sage_quantize_v" in text
 
 
+@pytest.mark.parametrize("tiling", ["overlap_qk", "generic_softmax"])
+def test_pipelining_variants_lower_for_cuda(tiling):
+  """The non-default consumer pipelines lower for CUDA on the CPU too
+  (their arithmetic is checked on the GPU against "xla")."""
+  q, k, v = _data(2, 200, 300, 4, 2, 128)
+  call = _inputs.parse(q, k, v, is_causal=True)
+  config = PRESETS["sage2-8b"]
+  t = KERNEL_TILINGS[tiling]
+  f = lambda: mosaic.BACKEND.kernel(
+      mosaic.BACKEND.prepare(call, config, t), call, config, t)
+  text = jax.jit(f).trace().lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
 def test_shared_memory_budget_is_checked_on_cpu():
   """An oversized tiling fails at lowering, on the CPU, with Mosaic's
   shared-memory message (what a user would otherwise see on the GPU)."""
@@ -239,26 +253,57 @@ def test_gpu_mosaic_matches_xla_and_exact(preset, shape, kwargs, kind):
                              np.asarray(want_lse)[fin], atol=2e-2)
 
 
+KERNEL_TILINGS = {
+    "default": MosaicTiling(),
+    "overlap_qk": MosaicTiling(overlap_qk=True, consumer_registers=240,
+                               producer_registers=24),
+    "overlap_qk_bkv64": MosaicTiling(block_kv=64, num_stages=3,
+                                     overlap_qk=True),
+    "overlap_qk_unscheduled": MosaicTiling(overlap_qk=True,
+                                           schedule_barrier=False),
+    "generic_softmax": MosaicTiling(register_softmax=False),
+    "overlap_qk_generic_softmax": MosaicTiling(
+        overlap_qk=True, register_softmax=False, consumer_registers=240,
+        producer_registers=24),
+}
+
+
 @gpu
 @needs_hopper
-def test_gpu_kernel_alone_matches_xla_arithmetic():
+@pytest.mark.parametrize("tiling", list(KERNEL_TILINGS))
+@pytest.mark.parametrize("window", [False, True])
+def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
   """Same quantized inputs (quant.py's, V reordered and transposed) → the
-  compiled kernel == the "xla" arithmetic on them."""
+  compiled kernel == the "xla" arithmetic on them, for every pipelining
+  of the consumers (causal; or a window with lengths a few tokens short)."""
   config = PRESETS["sage2-8b"]
   b, t, s, n, kh, h = 2, 512, 768, 4, 2, 128
   q, k, v = _data(b, t, s, n, kh, h, kind="channel_bias", layout="BNTH",
                   dtype=jnp.float32)
   qkv = quant.quantize(q, k, v, config, h ** -0.5)
-  spec = MaskSpec(True, "top_left", None, t, s)
-  lengths = jnp.full((b,), t, jnp.int32), jnp.full((b,), s, jnp.int32)
-  want, want_lse = xla.attend_quantized(qkv, config, spec)
+  if window:
+    spec = MaskSpec(False, "top_left", (300, 40), t, s)
+    lengths = (jnp.array([t, t - 37], jnp.int32),
+               jnp.array([s - 5, s - 300], jnp.int32))
+  else:
+    spec = MaskSpec(True, "top_left", None, t, s)
+    lengths = jnp.full((b,), t, jnp.int32), jnp.full((b,), s, jnp.int32)
+  want, want_lse = xla.attend_quantized(
+      qkv, config, spec, q_lengths=lengths[0], kv_lengths=lengths[1])
   order = mosaic_attention.pv_key_order(s)
   v_t = jnp.swapaxes(qkv.v[:, :, order], 2, 3)
   _poison(b * n * t * h * 4 * 4)
   got, got_lse = jax.jit(lambda *a: mosaic_attention.attention_forward(
       *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
-      out_dtype=jnp.float32))(qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, v_t,
-                              qkv.v_scale, None, None)
+      out_dtype=jnp.float32, k_scale_grouped=mosaic.k_scale_grouped(config),
+      tiling=KERNEL_TILINGS[tiling]))(
+          qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, v_t, qkv.v_scale, None,
+          None)
+  rows = np.arange(t)[None, None, :] < np.asarray(lengths[0])[:, None, None]
+  got, want = np.where(rows[..., None], got, 0), np.where(rows[..., None],
+                                                         want, 0)
+  got_lse = np.where(rows, got_lse, -np.inf)
+  want_lse = np.where(rows, want_lse, -np.inf)
   assert testing.error_metrics(got, want)["rel_l2"] < 5e-3
   np.testing.assert_allclose(got_lse, want_lse, atol=1e-2)
 

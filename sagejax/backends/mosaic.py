@@ -60,6 +60,14 @@ def default_backward_tiling(head_dim: int, fused_dq: bool = False
   return MosaicBackwardTiling()
 
 
+def k_scale_grouped(config: SageConfig) -> bool:
+  """Whether K's scales are one per 64 keys and key index mod 8 // 2 (the
+  kernel's per-thread key scales, ``attention_forward(k_scale_grouped=)``):
+  per-thread groups, or per-block ones, in blocks of a multiple of 64."""
+  return (config.qk_granularity in ("per_thread", "per_block", "per_warp")
+          and config.block_k % 64 == 0)
+
+
 class _MosaicBackend:
   name = "mosaic"
   platform = "cuda"
@@ -123,7 +131,8 @@ class _MosaicBackend:
         qkv.v_mean, qkv.delta_s, call.spec, q_lengths=prepared.q_lengths,
         kv_lengths=prepared.kv_lengths, config_block_q=config.block_q,
         out_dtype=call.q.dtype, out_layout=call.layout,
-        pv_two_level=config.pv_accumulation == "fp32+fp32", tiling=tiling)
+        pv_two_level=config.pv_accumulation == "fp32+fp32",
+        k_scale_grouped=k_scale_grouped(config), tiling=tiling)
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]
     else:

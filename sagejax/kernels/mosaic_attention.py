@@ -24,6 +24,10 @@ V is stored transposed ``[H, S]`` with the same permutation
 must be K-major in shared memory, hence K as ``[S, H]`` and Vᵀ as ``[H, S]``.
 With 16-bit P·V (``sage1``), V is ``[S, H]`` and P̃ is cast to V's dtype.
 
+The softmax's key scales and row sums work on registers where the K scale
+groups allow (:func:`grouped_row_max`); ``MosaicTiling.overlap_qk`` issues
+the next step's Q·Kᵀ before the softmax (benchmarks/NOTES.md, section 4).
+
 Each KV block's P·V starts from a fresh accumulator and is added into the
 FP32 output accumulator (``"fp32+fp32"``); with ``pv_two_level=False`` the
 running accumulator is fed to the ``wgmma`` instead. KV blocks a CTA cannot
@@ -65,6 +69,14 @@ class MosaicTiling:
     consumer_registers: per-thread registers of the consumer warpgroups
       (``setmaxnreg``); the producer keeps ``producer_registers``.
     schedule_barrier: consumers take turns on the tensor cores.
+    overlap_qk: each consumer issues the next KV step's Q·Kᵀ before this
+      step's softmax (FlashAttention-3's intra-warpgroup pipelining), so the
+      tensor cores compute it while the softmax runs; costs one more score
+      accumulator of registers, and applies the key scales per key.
+    register_softmax: the softmax's reductions as trees over registers, and
+      with ``k_scale_grouped`` inputs the key scales applied once per
+      thread and 64 keys (the functions above ``_as_pv_operand``) rather
+      than to every score.
   """
 
   block_q: int = 64
@@ -73,6 +85,8 @@ class MosaicTiling:
   consumer_registers: int = 232
   producer_registers: int = 40
   schedule_barrier: bool = True
+  overlap_qk: bool = False
+  register_softmax: bool = True
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -143,6 +157,167 @@ def wgmma_smem(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
+# --------------------------------------------------------------------------
+# Register-level pieces of the softmax (Mosaic GPU's FragmentedArray).
+#
+# In the WGMMA accumulator layout, thread 4r + c of a warp holds rows r and
+# r + 8 of its 16 and, of every group of 8 keys, keys 2c and 2c + 1.
+# SageAttention2's per-thread K groups (and per-block ones of >= 64 keys)
+# give all the keys a thread holds within 64 one K scale: the row maximum
+# of s·k_scale is then the maximum over the quad of k_scale times the
+# thread's largest s, and the exponent s·k_scale·q_scale − shift is one FMA
+# with a per-thread factor (no multiply of every score by its key's scale).
+# That factor is the NaN-propagating max of the thread's keys' scales, so a
+# non-finite key (scale NaN) still reaches every row that sees it.
+# --------------------------------------------------------------------------
+
+
+def _mgpu():
+  from jax.experimental.mosaic import gpu as mgpu  # lowering-time only
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, vector
+  return mgpu, fa, ir, arith, vector
+
+
+def _tree(op, values):
+  """Pairwise (tree) reduction: log-depth dependency chains."""
+  values = list(values)
+  while len(values) > 1:
+    pairs = [op(values[i], values[i + 1])
+             for i in range(0, len(values) - 1, 2)]
+    values = pairs + values[len(pairs) * 2:]
+  return values[0]
+
+
+def _element(v, i: int = 0):
+  _, _, ir, _, vector = _mgpu()
+  return vector.extract(v, dynamic_position=[],
+                        static_position=ir.DenseI64ArrayAttr.get([i]))
+
+
+def _splat(x, n: int):
+  _, _, ir, _, vector = _mgpu()
+  return vector.broadcast(ir.VectorType.get((n,), x.type), x)
+
+
+def _quad_reduce(op, x):
+  mgpu, *_ = _mgpu()
+  x = op(x, mgpu.utils.shfl_bfly(x, 1))
+  return op(x, mgpu.utils.shfl_bfly(x, 2))
+
+
+def _thread_key_scales(k_regs: np.ndarray) -> list:
+  """A thread's K scale for each 64 keys, from its ``[N]`` column-layout
+  registers: their maximum, so that a NaN (the scale of a non-finite key)
+  reaches the scores as in exact attention."""
+  _, _, _, arith, _ = _mgpu()
+  k_regs = k_regs.reshape(-1)
+  out = []
+  for g in range(0, k_regs.shape[0], 8):
+    v = _tree(arith.maximumf, [k_regs[i] for i in range(g, g + 8)])
+    out.append(arith.maximumf(_element(v, 0), _element(v, 1)))
+  return out
+
+
+def _wgmma_rows(regs: np.ndarray) -> np.ndarray:
+  """The registers of a ``[64, N]`` WGMMA-layout array as ``[N / 8, 2]``
+  (key group of 8, row r / r + 8)."""
+  return regs.reshape(regs.shape[1], 2)
+
+
+def _row_array(values, rows: int):
+  """A ``[rows]`` row-layout array from its two per-thread scalars."""
+  mgpu, fa, *_ = _mgpu()
+  layout = fa.WGMMA_LAYOUT.reduce((1,))
+  regs = np.empty(layout.registers_shape((rows,)), dtype=object)
+  flat = regs.reshape(2)
+  for r in range(2):
+    flat[r] = _splat(values[r], 1)
+  return mgpu.FragmentedArray(_registers=regs, _layout=layout,
+                              _is_signed=None)
+
+
+def grouped_row_max(s: jax.Array, k_scale: jax.Array) -> jax.Array:
+  """``max over keys of s · k_scale`` per row for f32 ``s [64, N]`` (WGMMA
+  layout) and ``k_scale [N]`` whose keys share one value per thread within
+  each 64 (see above); NaN propagates."""
+  rows, n = s.shape
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)),
+      return_type=plgpu.ShapeDtypeStruct((rows,), jnp.float32,
+                                         layout=row_layout))
+  def row_max(_, s, k):
+    _, _, _, arith, _ = _mgpu()
+    regs = _wgmma_rows(s.registers)
+    k_vals = _thread_key_scales(k.registers)
+    out = []
+    for r in range(2):
+      halves = []
+      for g in range(0, regs.shape[0], 8):
+        v = _tree(arith.maximumf, [regs[i, r] for i in range(g, g + 8)])
+        x = arith.maximumf(_element(v, 0), _element(v, 1))
+        halves.append(arith.mulf(x, k_vals[g // 8]))
+      out.append(_quad_reduce(arith.maximumf,
+                              _tree(arith.maximumf, halves)))
+    return _row_array(out, rows)
+
+  return row_max(s, k_scale)
+
+
+def grouped_scales(q_scale: jax.Array, k_scale: jax.Array, n: int
+                   ) -> jax.Array:
+  """``q_scale[row] · k_scale[key]`` as a ``[64, n]`` WGMMA-layout array
+  when each thread's keys share one K scale per 64: four registers'
+  worth of distinct values, no per-score multiply."""
+  rows = q_scale.shape[0]
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)),
+      return_type=plgpu.ShapeDtypeStruct((rows, n), jnp.float32,
+                                         layout=plgpu.Layout.WGMMA))
+  def scales(_, q, k):
+    mgpu, fa, _, arith, _ = _mgpu()
+    q_vals = [_element(x, 0) for x in q.registers.reshape(2)]
+    k_vals = _thread_key_scales(k.registers)
+    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((rows, n)), dtype=object)
+    flat = _wgmma_rows(regs)
+    for g in range(0, flat.shape[0], 8):
+      k_g = k_vals[g // 8]
+      for r in range(2):
+        product = _splat(arith.mulf(q_vals[r], k_g), 2)
+        for i in range(g, g + 8):
+          flat[i, r] = product
+    return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT,
+                                _is_signed=None)
+
+  return scales(q_scale, k_scale)
+
+
+def row_sum(p: jax.Array) -> jax.Array:
+  """``p.sum(axis=1)`` of an f32 ``[64, N]`` WGMMA-layout array, summed as
+  a tree (short dependency chains) instead of a running sum."""
+  rows, _ = p.shape
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct((rows,), jnp.float32,
+                                         layout=plgpu.Layout.WGMMA.reduce(1)))
+  def total(_, p):
+    _, _, _, arith, _ = _mgpu()
+    regs = _wgmma_rows(p.registers)
+    out = []
+    for r in range(2):
+      v = _tree(arith.addf, [regs[i, r] for i in range(regs.shape[0])])
+      out.append(_quad_reduce(arith.addf,
+                              arith.addf(_element(v, 0), _element(v, 1))))
+    return _row_array(out, rows)
+
+  return total(p)
+
+
 def _as_pv_operand(p8: jax.Array) -> jax.Array:
   """FP8 P̃ in the accumulator layout → the 8-bit wgmma A-operand layout.
 
@@ -189,6 +364,7 @@ def attention_forward(
     kv_lengths: jax.Array, config_block_q: int = 128, out_dtype=jnp.bfloat16,
     out_layout: str = "BNTH", pv_two_level: bool = True,
     v_key_scale: Optional[jax.Array] = None,
+    k_scale_grouped: bool = False,
     tiling: MosaicTiling = MosaicTiling(),
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the Mosaic GPU forward on quantized inputs.
@@ -211,6 +387,10 @@ def attention_forward(
       quantized per token, normalized to at most 1), multiplied into P̃
       before it is rounded to the P·V operand; the softmax sum does not see
       it. ``v_scale`` then holds what the normalization took out.
+    k_scale_grouped: a promise that ``k_scale`` is one value per 64 keys
+      and key index mod 8 // 2 (SageAttention2's per-thread K groups, or
+      per-block ones of a multiple of 64 keys); the kernel then applies it
+      once per thread and 64 keys (:func:`grouped_row_max`).
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
@@ -283,33 +463,34 @@ def attention_forward(
       acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32),
                               plgpu.Layout.WGMMA)
 
-      @pl.when(bhi > blo)
-      def _():
-        plgpu.barrier_wait(k_bar.at[0])
+      def issue_qk(s_ref, slot):
+        plgpu.wgmma(s_ref, q_smem.at[wg],
+                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        schedule()
 
-      pl.when(wg == 1)(schedule)
+      grouped = k_scale_grouped and tiling.register_softmax and ds_ref is None
+      sum_rows = (row_sum if tiling.register_softmax
+                  else (lambda p: p.sum(axis=1)))
 
-      def step(j, carry, masked: bool):
-        acc, m, l = carry
-        slot = lax.rem(j - blo, jnp.int32(stages))
-
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem.at[wg],
-                      plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-          schedule()
-          return acc_ref[...]
-
-        s_int = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.int32))
+      def key_vectors(slot):
+        """Step ``slot``'s per-key vectors (K scales, V factors, ΔS) read
+        out of shared memory; then the K slot is released."""
         ks = load_all(ks_smem.at[slot], col_layout)
-        t = s_int.astype(jnp.float32) * lax.broadcast_in_dim(
-            ks, (bq, bkv), [1])
-        if ds_ref is not None:
-          ds = load_all(ds_smem.at[slot], col_layout)
-          t = t + (lax.broadcast_in_dim(ds, (bq, bkv), [1])
-                   * lax.broadcast_in_dim(inv_qs, (bq, bkv), [0]))
         vks = (None if vks_ref is None
                else load_all(vks_smem.at[slot], col_layout))
+        ds = (None if ds_ref is None
+              else load_all(ds_smem.at[slot], col_layout))
         plgpu.barrier_arrive(k_free.at[slot])
+        return ks, vks, ds
+
+      def logits(s_f, keys, j, masked: bool):
+        """Step ``j``'s base-2 logits before ``q_scale``: the INT32 sums
+        (as f32) times the key scales, plus ΔS, masked."""
+        ks, _, ds = keys
+        t = s_f * lax.broadcast_in_dim(ks, (bq, bkv), [1])
+        if ds is not None:
+          t = t + (lax.broadcast_in_dim(ds, (bq, bkv), [1])
+                   * lax.broadcast_in_dim(inv_qs, (bq, bkv), [0]))
         if masked:
           rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0,
                                                layout=plgpu.Layout.WGMMA)
@@ -317,32 +498,67 @@ def attention_forward(
               jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
           t = jnp.where(spec.visible_at(rows, cols, q_len, kv_len), t,
                         -jnp.inf)
-        m_new = jnp.maximum(m, qs * t.max(axis=1))
+        return t
+
+      def softmax(x, keys, j, masked: bool, m, l, *, scaled: bool = False):
+        """Online softmax of step ``j``: ``x`` holds the INT32 sums as f32
+        (or, ``scaled``, the :func:`logits`); ``keys`` the
+        ``key_vectors``. Returns (P·V operand, α broadcast to the output,
+        new max, new sum)."""
+        ks, vks, _ = keys
+        qs_b = lax.broadcast_in_dim(qs, (bq, bkv), [0])
+        use_grouped = grouped and not masked and not scaled
+        if use_grouped:
+          m_new = jnp.maximum(m, qs * grouped_row_max(x, ks))
+        else:
+          t = x if scaled else logits(x, keys, j, masked)
+          m_new = jnp.maximum(m, qs * t.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_use)
         shift = m_use - _LOG2_P_SCALE if fp8 else m_use
-        p = jnp.exp2(t * lax.broadcast_in_dim(qs, (bq, bkv), [0])
-                     - lax.broadcast_in_dim(shift, (bq, bkv), [0]))
-        l = l * alpha + p.sum(axis=1)
+        shift_b = lax.broadcast_in_dim(shift, (bq, bkv), [0])
+        if use_grouped:
+          p = jnp.exp2(x * grouped_scales(qs, ks, bkv) - shift_b)
+        else:
+          p = jnp.exp2(t * qs_b - shift_b)
+        l = l * alpha + sum_rows(p)
         if vks is not None:
           p = p * lax.broadcast_in_dim(vks, (bq, bkv), [1])
         if fp8:
           p_op = _as_pv_operand(p.astype(pv_dtype))
-          v_tile = plgpu.transpose_ref(v_smem.at[slot], (1, 0))
         else:
           p_op = p.astype(pv_dtype)
-          v_tile = v_smem.at[slot]
-        alpha_b = lax.broadcast_in_dim(alpha, (bq, h), [0])
-        if not pv_two_level:
-          acc = acc * alpha_b
+        return p_op, lax.broadcast_in_dim(alpha, (bq, h), [0]), m_new, l
+
+      def v_tile(slot):
+        if fp8:
+          return plgpu.transpose_ref(v_smem.at[slot], (1, 0))
+        return v_smem.at[slot]
+
+      def wait_for_v(slot):
         if tiling.schedule_barrier:
           plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(v_bar.at[slot])
         if tiling.schedule_barrier:
           plgpu.barrier_wait(sched)
 
+      def step(j, carry, masked: bool):
+        acc, m, l = carry
+        slot = lax.rem(j - blo, jnp.int32(stages))
+
+        def qk(s_ref):
+          issue_qk(s_ref, slot)
+          return s_ref[...]
+
+        s_int = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.int32))
+        p_op, alpha_b, m_new, l = softmax(s_int.astype(jnp.float32),
+                                          key_vectors(slot), j, masked, m, l)
+        if not pv_two_level:
+          acc = acc * alpha_b
+        wait_for_v(slot)
+
         def pv(pv_ref):
-          plgpu.wgmma(pv_ref, p_op, v_tile)
+          plgpu.wgmma(pv_ref, p_op, v_tile(slot))
           nxt = j + 1
 
           @pl.when(nxt < bhi)
@@ -359,12 +575,72 @@ def attention_forward(
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
-      carry = (acc, m, l)
-      masked = functools.partial(step, masked=True)
-      carry = lax.fori_loop(blo, fblo, masked, carry)
-      carry = lax.fori_loop(fblo, fbhi, functools.partial(step, masked=False),
-                            carry)
-      acc, m, l = lax.fori_loop(fbhi, bhi, masked, carry)
+      def overlapped_step(j, carry, masked: bool, s_ref, pv_ref):
+        """One KV step with the next step's Q·Kᵀ (issued into ``s_ref``,
+        which holds this step's scores on entry) running during the
+        softmax."""
+        acc, m, l = carry
+        slot = lax.rem(j - blo, jnp.int32(stages))
+        # The logits are made before the next Q·Kᵀ is issued into the same
+        # accumulator: with the INT32 sums still live across the issue,
+        # ptxas waits for that product (measured: 0.7x the speed).
+        s_f = plgpu.wgmma_accumulator_load(s_ref, wait_n=0).astype(
+            jnp.float32)
+        keys = key_vectors(slot)
+        t = logits(s_f, keys, j, masked)
+        nxt = j + 1
+
+        @pl.when(nxt < bhi)
+        def _():
+          nslot = lax.rem(nxt - blo, jnp.int32(stages))
+          plgpu.barrier_wait(k_bar.at[nslot])
+          s_ref[...] = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.int32),
+                                         plgpu.Layout.WGMMA)
+          issue_qk(s_ref, nslot)
+
+        p_op, alpha_b, m_new, l = softmax(t, keys, j, masked, m, l,
+                                          scaled=True)
+        wait_for_v(slot)
+        if pv_two_level:
+          pv_ref[...] = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32),
+                                          plgpu.Layout.WGMMA)
+        else:
+          pv_ref[...] = acc * alpha_b
+        plgpu.wgmma(pv_ref, p_op, v_tile(slot))
+        block = plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
+        acc = acc * alpha_b + block if pv_two_level else block
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      def run_steps(step_fn, carry):
+        masked = functools.partial(step_fn, masked=True)
+        carry = lax.fori_loop(blo, fblo, masked, carry)
+        carry = lax.fori_loop(fblo, fbhi,
+                              functools.partial(step_fn, masked=False), carry)
+        return lax.fori_loop(fbhi, bhi, masked, carry)
+
+      if tiling.overlap_qk:
+        pl.when(wg == 1)(schedule)
+
+        def overlapped(s_ref, pv_ref):
+          @pl.when(bhi > blo)
+          def _():
+            plgpu.barrier_wait(k_bar.at[0])
+            issue_qk(s_ref, 0)
+
+          return run_steps(functools.partial(
+              overlapped_step, s_ref=s_ref, pv_ref=pv_ref), (acc, m, l))
+
+        acc, m, l = pl.run_scoped(overlapped,
+                                  plgpu.ACC((bq, bkv), jnp.int32),
+                                  plgpu.ACC((bq, h), jnp.float32))
+      else:
+        @pl.when(bhi > blo)
+        def _():
+          plgpu.barrier_wait(k_bar.at[0])
+
+        pl.when(wg == 1)(schedule)
+        acc, m, l = run_steps(step, (acc, m, l))
       pl.when(wg == 0)(schedule)
 
       rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
