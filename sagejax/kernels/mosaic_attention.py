@@ -25,7 +25,7 @@ must be K-major in shared memory, hence K as ``[S, H]`` and Vᵀ as ``[H, S]``.
 With 16-bit P·V (``sage1``), V is ``[S, H]`` and P̃ is cast to V's dtype.
 
 The softmax's key scales and row sums work on registers where the K scale
-groups allow (:func:`grouped_row_max`); ``MosaicTiling.overlap_qk`` issues
+groups allow (:func:`grouped_logits`); ``MosaicTiling.overlap_qk`` issues
 the next step's Q·Kᵀ before the softmax (benchmarks/NOTES.md, section 4).
 
 Each KV block's P·V starts from a fresh accumulator and is added into the
@@ -238,62 +238,49 @@ def _row_array(values, rows: int):
                               _is_signed=None)
 
 
-def grouped_row_max(s: jax.Array, k_scale: jax.Array) -> jax.Array:
-  """``max over keys of s · k_scale`` per row for f32 ``s [64, N]`` (WGMMA
-  layout) and ``k_scale [N]`` whose keys share one value per thread within
-  each 64 (see above); NaN propagates."""
+def grouped_logits(s: jax.Array, q_scale: jax.Array, k_scale: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+  """For f32 ``s [64, N]`` (WGMMA layout), ``q_scale [64]`` and a
+  ``k_scale [N]`` whose keys share one value per thread within each 64 (see
+  above): ``max over keys of s · k_scale`` per row (NaN propagates) and
+  ``q_scale[row] · k_scale[key]`` as a ``[64, N]`` array holding four
+  registers' worth of distinct values (no per-score multiply)."""
   rows, n = s.shape
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
 
   @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)),
-      return_type=plgpu.ShapeDtypeStruct((rows,), jnp.float32,
-                                         layout=row_layout))
-  def row_max(_, s, k):
-    _, _, _, arith, _ = _mgpu()
-    regs = _wgmma_rows(s.registers)
-    k_vals = _thread_key_scales(k.registers)
-    out = []
-    for r in range(2):
-      halves = []
-      for g in range(0, regs.shape[0], 8):
-        v = _tree(arith.maximumf, [regs[i, r] for i in range(g, g + 8)])
-        x = arith.maximumf(_element(v, 0), _element(v, 1))
-        halves.append(arith.mulf(x, k_vals[g // 8]))
-      out.append(_quad_reduce(arith.maximumf,
-                              _tree(arith.maximumf, halves)))
-    return _row_array(out, rows)
-
-  return row_max(s, k_scale)
-
-
-def grouped_scales(q_scale: jax.Array, k_scale: jax.Array, n: int
-                   ) -> jax.Array:
-  """``q_scale[row] · k_scale[key]`` as a ``[64, n]`` WGMMA-layout array
-  when each thread's keys share one K scale per 64: four registers'
-  worth of distinct values, no per-score multiply."""
-  rows = q_scale.shape[0]
-
-  @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)),
-      return_type=plgpu.ShapeDtypeStruct((rows, n), jnp.float32,
-                                         layout=plgpu.Layout.WGMMA))
-  def scales(_, q, k):
+      arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1),
+                 plgpu.Layout.WGMMA.reduce(0)),
+      return_type=(
+          plgpu.ShapeDtypeStruct((rows,), jnp.float32,
+                                 layout=plgpu.Layout.WGMMA.reduce(1)),
+          plgpu.ShapeDtypeStruct((rows, n), jnp.float32,
+                                 layout=plgpu.Layout.WGMMA)))
+  def grouped(_, s, q, k):
     mgpu, fa, _, arith, _ = _mgpu()
+    s_regs = _wgmma_rows(s.registers)
     q_vals = [_element(x, 0) for x in q.registers.reshape(2)]
     k_vals = _thread_key_scales(k.registers)
+    row_max = []
+    for r in range(2):
+      groups = []
+      for g in range(0, s_regs.shape[0], 8):
+        v = _tree(arith.maximumf, [s_regs[i, r] for i in range(g, g + 8)])
+        x = arith.maximumf(_element(v, 0), _element(v, 1))
+        groups.append(arith.mulf(x, k_vals[g // 8]))
+      row_max.append(_quad_reduce(arith.maximumf,
+                                  _tree(arith.maximumf, groups)))
     regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((rows, n)), dtype=object)
     flat = _wgmma_rows(regs)
     for g in range(0, flat.shape[0], 8):
-      k_g = k_vals[g // 8]
       for r in range(2):
-        product = _splat(arith.mulf(q_vals[r], k_g), 2)
+        product = _splat(arith.mulf(q_vals[r], k_vals[g // 8]), 2)
         for i in range(g, g + 8):
           flat[i, r] = product
-    return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT,
-                                _is_signed=None)
+    scales = mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT,
+                                  _is_signed=None)
+    return _row_array(row_max, rows), scales
 
-  return scales(q_scale, k_scale)
+  return grouped(s, q_scale, k_scale)
 
 
 def row_sum(p: jax.Array) -> jax.Array:
@@ -390,7 +377,7 @@ def attention_forward(
     k_scale_grouped: a promise that ``k_scale`` is one value per 64 keys
       and key index mod 8 // 2 (SageAttention2's per-thread K groups, or
       per-block ones of a multiple of 64 keys); the kernel then applies it
-      once per thread and 64 keys (:func:`grouped_row_max`).
+      once per thread and 64 keys (:func:`grouped_logits`).
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
@@ -506,10 +493,10 @@ def attention_forward(
         ``key_vectors``. Returns (P·V operand, α broadcast to the output,
         new max, new sum)."""
         ks, vks, _ = keys
-        qs_b = lax.broadcast_in_dim(qs, (bq, bkv), [0])
         use_grouped = grouped and not masked and not scaled
         if use_grouped:
-          m_new = jnp.maximum(m, qs * grouped_row_max(x, ks))
+          row_max, factors = grouped_logits(x, qs, ks)
+          m_new = jnp.maximum(m, qs * row_max)
         else:
           t = x if scaled else logits(x, keys, j, masked)
           m_new = jnp.maximum(m, qs * t.max(axis=1))
@@ -518,9 +505,9 @@ def attention_forward(
         shift = m_use - _LOG2_P_SCALE if fp8 else m_use
         shift_b = lax.broadcast_in_dim(shift, (bq, bkv), [0])
         if use_grouped:
-          p = jnp.exp2(x * grouped_scales(qs, ks, bkv) - shift_b)
+          p = jnp.exp2(x * factors - shift_b)
         else:
-          p = jnp.exp2(t * qs_b - shift_b)
+          p = jnp.exp2(t * lax.broadcast_in_dim(qs, (bq, bkv), [0]) - shift_b)
         l = l * alpha + sum_rows(p)
         if vks is not None:
           p = p * lax.broadcast_in_dim(vks, (bq, bkv), [1])
