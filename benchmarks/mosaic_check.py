@@ -74,7 +74,7 @@ def time_case(shape, variants, key, cfg):
 
 
 def parse_tiling(spec: str) -> MosaicTiling:
-  """``"bkv=64,stages=3,regs=240/24,sched=0,overlap=1,rs=0"`` → a
+  """``"bkv=64,stages=3,regs=240/24,sched=0,expturn=1,overlap=1,rs=0"`` → a
   MosaicTiling."""
   kw = {}
   for item in filter(None, spec.split(",")):
@@ -88,6 +88,8 @@ def parse_tiling(spec: str) -> MosaicTiling:
       kw["consumer_registers"], kw["producer_registers"] = int(c), int(p)
     elif name == "sched":
       kw["schedule_barrier"] = bool(int(value))
+    elif name == "expturn":
+      kw["schedule_exp"] = bool(int(value))
     elif name == "overlap":
       kw["overlap_qk"] = bool(int(value))
     elif name == "rs":

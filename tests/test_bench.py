@@ -301,3 +301,33 @@ def test_module_entry_point_help():
                        capture_output=True, text=True, cwd=root, check=False)
   assert res.returncode == 0
   assert "accuracy" in res.stdout and "--quick" in res.stdout
+
+
+def test_kernel_profile_reads_nested_regions(tmp_path, monkeypatch):
+  """benchmarks/kernel_profile.py: clocks per region and warpgroup role from
+  a Perfetto trace as Mosaic GPU's profiler writes it (ts in µs of clocks;
+  tid 1 + warpgroup + 3·CTA), nested regions counted in both."""
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1]
+                                  / "benchmarks"))
+  import kernel_profile  # pylint: disable=import-outside-toplevel
+  events = []
+  for cta in range(2):
+    for wg, (name, inner) in enumerate([("qk", None), ("pv", "wait_k"),
+                                        ("wait_v_free", None)]):
+      tid = 1 + wg + 3 * cta
+      t0 = 10.0 * cta
+      events.append(dict(name=name, ph="B", ts=t0, pid=1, tid=tid))
+      if inner:
+        events.append(dict(name=inner, ph="B", ts=t0 + 0.1, pid=1, tid=tid))
+        events.append(dict(name=inner, ph="E", ts=t0 + 0.3, pid=1, tid=tid))
+      events.append(dict(name=name, ph="E", ts=t0 + 1.0 + cta, pid=1,
+                         tid=tid))
+  path = tmp_path / "trace.json"
+  path.write_text(json.dumps(dict(traceEvents=events)))
+  got = kernel_profile.region_clocks(str(path))
+  assert set(got) == {"consumer 0", "consumer 1", "producer"}
+  np.testing.assert_allclose(got["consumer 0"]["regions"]["qk"], 1500.0)
+  np.testing.assert_allclose(got["consumer 1"]["regions"]["pv"], 1500.0)
+  np.testing.assert_allclose(got["consumer 1"]["regions"]["wait_k"], 200.0)
+  np.testing.assert_allclose(got["producer"]["span"], 1500.0)
+  assert got["consumer 1"]["entries"] == {"pv": 1.0, "wait_k": 1.0}

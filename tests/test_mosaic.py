@@ -262,6 +262,10 @@ KERNEL_TILINGS = {
     "overlap_qk_unscheduled": MosaicTiling(overlap_qk=True,
                                            schedule_barrier=False),
     "generic_softmax": MosaicTiling(register_softmax=False),
+    "exp_turns_bkv256": MosaicTiling(block_kv=256, schedule_exp=True),
+    "exp_turns_overlap_qk": MosaicTiling(schedule_exp=True, overlap_qk=True,
+                                         consumer_registers=240,
+                                         producer_registers=24),
     "overlap_qk_generic_softmax": MosaicTiling(
         overlap_qk=True, register_softmax=False, consumer_registers=240,
         producer_registers=24),

@@ -26,7 +26,9 @@ With 16-bit P·V (``sage1``), V is ``[S, H]`` and P̃ is cast to V's dtype.
 
 The softmax's key scales and row sums work on registers where the K scale
 groups allow (:func:`grouped_logits`); ``MosaicTiling.overlap_qk`` issues
-the next step's Q·Kᵀ before the softmax (benchmarks/NOTES.md, section 4).
+the next step's Q·Kᵀ before the softmax (benchmarks/NOTES.md, section 4);
+``MosaicTiling.schedule_exp`` makes the consumers alternate their
+exponentials rather than their softmaxes (the H=64 default, section 5).
 
 Each KV block's P·V starts from a fresh accumulator and is added into the
 FP32 output accumulator (``"fp32+fp32"``); with ``pv_two_level=False`` the
@@ -69,6 +71,10 @@ class MosaicTiling:
     consumer_registers: per-thread registers of the consumer warpgroups
       (``setmaxnreg``); the producer keeps ``producer_registers``.
     schedule_barrier: consumers take turns on the tensor cores.
+    schedule_exp: the consumers meet (with ``schedule_barrier``) before and
+      after each softmax's exponentials instead of around the products:
+      the MUFU-bound ``exp2`` of one runs while the other does everything
+      else.
     overlap_qk: each consumer issues the next KV step's Q·Kᵀ before this
       step's softmax (FlashAttention-3's intra-warpgroup pipelining), so the
       tensor cores compute it while the softmax runs; costs one more score
@@ -85,6 +91,7 @@ class MosaicTiling:
   consumer_registers: int = 232
   producer_registers: int = 40
   schedule_barrier: bool = True
+  schedule_exp: bool = False
   overlap_qk: bool = False
   register_softmax: bool = True
 
@@ -353,6 +360,7 @@ def attention_forward(
     v_key_scale: Optional[jax.Array] = None,
     k_scale_grouped: bool = False,
     tiling: MosaicTiling = MosaicTiling(),
+    profile_dir: Optional[str] = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the Mosaic GPU forward on quantized inputs.
 
@@ -378,6 +386,10 @@ def attention_forward(
       and key index mod 8 // 2 (SageAttention2's per-thread K groups, or
       per-block ones of a multiple of 64 keys); the kernel then applies it
       once per thread and 64 keys (:func:`grouped_logits`).
+    profile_dir: write a Perfetto trace of each call's named regions per
+      warpgroup (Mosaic GPU's on-device profiler, ``%clock`` stamps) there;
+      ``benchmarks/kernel_profile.py`` reads it. The stamps constrain the
+      instruction schedule: time with it off.
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
@@ -423,10 +435,19 @@ def attention_forward(
     blo, fblo, fbhi, bhi = kv_block_range(spec, cta_first, cta_last, q_len,
                                           kv_len, bkv, num_kv_blocks)
 
-    def schedule():
-      if tiling.schedule_barrier:
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(sched)
+    exp_turns = tiling.schedule_barrier and tiling.schedule_exp
+
+    def meet():
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(sched)
+
+    def schedule():  # around the products
+      if tiling.schedule_barrier and not exp_turns:
+        meet()
+
+    def exp_turn():  # around the exponentials
+      if exp_turns:
+        meet()
 
     @pl.when(wg < 2)
     def _consumer():
@@ -494,27 +515,34 @@ def attention_forward(
         new max, new sum)."""
         ks, vks, _ = keys
         use_grouped = grouped and not masked and not scaled
-        if use_grouped:
-          row_max, factors = grouped_logits(x, qs, ks)
-          m_new = jnp.maximum(m, qs * row_max)
-        else:
-          t = x if scaled else logits(x, keys, j, masked)
-          m_new = jnp.maximum(m, qs * t.max(axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_use)
-        shift = m_use - _LOG2_P_SCALE if fp8 else m_use
-        shift_b = lax.broadcast_in_dim(shift, (bq, bkv), [0])
-        if use_grouped:
-          p = jnp.exp2(x * factors - shift_b)
-        else:
-          p = jnp.exp2(t * lax.broadcast_in_dim(qs, (bq, bkv), [0]) - shift_b)
-        l = l * alpha + sum_rows(p)
-        if vks is not None:
-          p = p * lax.broadcast_in_dim(vks, (bq, bkv), [1])
-        if fp8:
-          p_op = _as_pv_operand(p.astype(pv_dtype))
-        else:
-          p_op = p.astype(pv_dtype)
+        with jax.named_scope("row_max"):
+          if use_grouped:
+            row_max, factors = grouped_logits(x, qs, ks)
+            m_new = jnp.maximum(m, qs * row_max)
+          else:
+            t = x if scaled else logits(x, keys, j, masked)
+            m_new = jnp.maximum(m, qs * t.max(axis=1))
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          alpha = jnp.exp2(m - m_use)
+          shift = m_use - _LOG2_P_SCALE if fp8 else m_use
+          shift_b = lax.broadcast_in_dim(shift, (bq, bkv), [0])
+        exp_turn()
+        with jax.named_scope("exp"):
+          if use_grouped:
+            p = jnp.exp2(x * factors - shift_b)
+          else:
+            p = jnp.exp2(t * lax.broadcast_in_dim(qs, (bq, bkv), [0])
+                         - shift_b)
+        exp_turn()
+        with jax.named_scope("row_sum"):
+          l = l * alpha + sum_rows(p)
+        with jax.named_scope("pack"):
+          if vks is not None:
+            p = p * lax.broadcast_in_dim(vks, (bq, bkv), [1])
+          if fp8:
+            p_op = _as_pv_operand(p.astype(pv_dtype))
+          else:
+            p_op = p.astype(pv_dtype)
         return p_op, lax.broadcast_in_dim(alpha, (bq, h), [0]), m_new, l
 
       def v_tile(slot):
@@ -523,10 +551,12 @@ def attention_forward(
         return v_smem.at[slot]
 
       def wait_for_v(slot):
-        if tiling.schedule_barrier:
+        """Waits for step ``slot``'s V tile and the consumer's P·V turn."""
+        rendezvous = tiling.schedule_barrier and not exp_turns
+        if rendezvous:
           plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(v_bar.at[slot])
-        if tiling.schedule_barrier:
+        if rendezvous:
           plgpu.barrier_wait(sched)
 
       def step(j, carry, masked: bool):
@@ -537,12 +567,17 @@ def attention_forward(
           issue_qk(s_ref, slot)
           return s_ref[...]
 
-        s_int = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.int32))
-        p_op, alpha_b, m_new, l = softmax(s_int.astype(jnp.float32),
-                                          key_vectors(slot), j, masked, m, l)
-        if not pv_two_level:
-          acc = acc * alpha_b
-        wait_for_v(slot)
+        with jax.named_scope("qk"):
+          s_int = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.int32))
+        with jax.named_scope("softmax"):
+          with jax.named_scope("convert"):
+            s_f = s_int.astype(jnp.float32)
+            keys = key_vectors(slot)
+          p_op, alpha_b, m_new, l = softmax(s_f, keys, j, masked, m, l)
+          if not pv_two_level:
+            acc = acc * alpha_b
+        with jax.named_scope("wait_v"):
+          wait_for_v(slot)
 
         def pv(pv_ref):
           plgpu.wgmma(pv_ref, p_op, v_tile(slot))
@@ -550,15 +585,20 @@ def attention_forward(
 
           @pl.when(nxt < bhi)
           def _():
-            plgpu.barrier_wait(k_bar.at[lax.rem(nxt - blo, jnp.int32(stages))])
+            with jax.named_scope("wait_k"):
+              plgpu.barrier_wait(
+                  k_bar.at[lax.rem(nxt - blo, jnp.int32(stages))])
 
+        with jax.named_scope("pv"):
+          if pv_two_level:
+            block = pl.run_state(pv)(plgpu.ACC.init(
+                plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32),
+                                  plgpu.Layout.WGMMA)))
+          else:
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
         if pv_two_level:
-          block = pl.run_state(pv)(plgpu.ACC.init(
-              plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32),
-                                plgpu.Layout.WGMMA)))
-          acc = acc * alpha_b + block
-        else:
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+          with jax.named_scope("accumulate"):
+            acc = acc * alpha_b + block
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
@@ -571,31 +611,39 @@ def attention_forward(
         # The logits are made before the next Q·Kᵀ is issued into the same
         # accumulator: with the INT32 sums still live across the issue,
         # ptxas waits for that product (measured: 0.7x the speed).
-        s_f = plgpu.wgmma_accumulator_load(s_ref, wait_n=0).astype(
-            jnp.float32)
-        keys = key_vectors(slot)
-        t = logits(s_f, keys, j, masked)
+        with jax.named_scope("qk"):
+          s_i = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
+        with jax.named_scope("logits"):
+          s_f = s_i.astype(jnp.float32)
+          keys = key_vectors(slot)
+          t = logits(s_f, keys, j, masked)
         nxt = j + 1
 
         @pl.when(nxt < bhi)
         def _():
           nslot = lax.rem(nxt - blo, jnp.int32(stages))
-          plgpu.barrier_wait(k_bar.at[nslot])
+          with jax.named_scope("wait_k"):
+            plgpu.barrier_wait(k_bar.at[nslot])
           s_ref[...] = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.int32),
                                          plgpu.Layout.WGMMA)
-          issue_qk(s_ref, nslot)
+          with jax.named_scope("issue_qk"):
+            issue_qk(s_ref, nslot)
 
-        p_op, alpha_b, m_new, l = softmax(t, keys, j, masked, m, l,
-                                          scaled=True)
-        wait_for_v(slot)
+        with jax.named_scope("softmax"):
+          p_op, alpha_b, m_new, l = softmax(t, keys, j, masked, m, l,
+                                            scaled=True)
+        with jax.named_scope("wait_v"):
+          wait_for_v(slot)
         if pv_two_level:
           pv_ref[...] = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32),
                                           plgpu.Layout.WGMMA)
         else:
           pv_ref[...] = acc * alpha_b
-        plgpu.wgmma(pv_ref, p_op, v_tile(slot))
-        block = plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
-        acc = acc * alpha_b + block if pv_two_level else block
+        with jax.named_scope("pv"):
+          plgpu.wgmma(pv_ref, p_op, v_tile(slot))
+          block = plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
+        with jax.named_scope("accumulate"):
+          acc = acc * alpha_b + block if pv_two_level else block
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
@@ -606,8 +654,14 @@ def attention_forward(
                               functools.partial(step_fn, masked=False), carry)
         return lax.fori_loop(fbhi, bhi, masked, carry)
 
+      def first_turn():  # consumer 0 goes first
+        if exp_turns:
+          meet()
+        else:
+          schedule()
+
       if tiling.overlap_qk:
-        pl.when(wg == 1)(schedule)
+        pl.when(wg == 1)(first_turn)
 
         def overlapped(s_ref, pv_ref):
           @pl.when(bhi > blo)
@@ -626,9 +680,9 @@ def attention_forward(
         def _():
           plgpu.barrier_wait(k_bar.at[0])
 
-        pl.when(wg == 1)(schedule)
+        pl.when(wg == 1)(first_turn)
         acc, m, l = run_steps(step, (acc, m, l))
-      pl.when(wg == 0)(schedule)
+      pl.when(wg == 0)(meet if exp_turns else schedule)  # the last meeting
 
       rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
                                            layout=row_layout)
@@ -664,7 +718,8 @@ def attention_forward(
 
         @pl.when(j - blo >= stages)
         def _():
-          plgpu.barrier_wait(k_free.at[slot])
+          with jax.named_scope("wait_k_free"):
+            plgpu.barrier_wait(k_free.at[slot])
 
         plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, keys],
                                 k_smem.at[slot], k_bar.at[slot])
@@ -680,7 +735,8 @@ def attention_forward(
 
         @pl.when(j - blo >= stages)
         def _():
-          plgpu.barrier_wait(v_free.at[slot])
+          with jax.named_scope("wait_v_free"):
+            plgpu.barrier_wait(v_free.at[slot])
 
         if fp8:
           v_src = v_ref.at[batch, kv_head, :, keys]
@@ -735,5 +791,14 @@ def attention_forward(
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, **_profile_params(profile_dir, num_kv_blocks)),
   )(*(inputs[name] for name in names))
+
+
+def _profile_params(profile_dir: Optional[str], num_kv_blocks: int) -> dict:
+  """CompilerParams fields of Mosaic GPU's on-device profiler: room for
+  twelve regions per KV step and warpgroup."""
+  if not profile_dir:
+    return {}
+  return dict(profile_space=12 * num_kv_blocks + 16, profile_dir=profile_dir)

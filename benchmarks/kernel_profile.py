@@ -1,0 +1,140 @@
+"""Where a Mosaic attention kernel's KV step goes, per warpgroup, in clocks.
+
+    PYTHONPATH=$PWD python benchmarks/kernel_profile.py --out $OUT \
+        [--shapes "1,1,16384,128,0"] [--kernel-variants "bkv=256;overlap=1"]
+
+Runs the kernel once with Mosaic GPU's on-device profiler
+(``attention_forward(profile_dir=)``: ``%clock`` stamps around the named
+regions of the consumer step — ``qk``, ``softmax`` (its phases nested),
+``wait_v``, ``pv`` (with ``wait_k`` inside), ``accumulate`` — and the
+producer's ``wait_*_free``) on
+a grid of about one wave, and prints the mean clocks per KV step of each
+region and warpgroup, beside the unprofiled kernel's time on the same shape
+(the stamps constrain ptxas's schedule, so the profiled step is slower).
+Writes ``kernel_profile.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sagejax import PRESETS, _inputs, testing
+from sagejax.backends import mosaic
+from sagejax.bench import timing
+
+import mosaic_check  # noqa: E402  (benchmarks/ is the script's directory)
+
+WARPGROUPS = ("consumer 0", "consumer 1", "producer")
+
+
+def region_clocks(trace_path: str) -> dict:
+  """Per warpgroup role: mean clocks per CTA spent in each region (nested
+  regions counted in themselves and their parent), the mean CTA span, and
+  the number of region entries per CTA."""
+  with open(trace_path) as f:
+    events = json.load(f)["traceEvents"]
+  per_tid = collections.defaultdict(list)
+  for e in events:
+    per_tid[e["tid"]].append(e)
+  totals = collections.defaultdict(lambda: collections.defaultdict(float))
+  counts = collections.defaultdict(lambda: collections.defaultdict(int))
+  spans = collections.defaultdict(list)
+  for tid, evs in per_tid.items():
+    role = WARPGROUPS[(tid - 1) % 3]
+    stack = []
+    for e in evs:  # in time order, ts in µs of %clock cycles (1e3 / µs)
+      if e["ph"] == "B":
+        stack.append(e)
+      else:
+        b = stack.pop()
+        totals[role][e["name"]] += (e["ts"] - b["ts"]) * 1e3
+        counts[role][e["name"]] += 1
+    spans[role].append((evs[-1]["ts"] - evs[0]["ts"]) * 1e3)
+  n_ctas = {r: len(v) for r, v in spans.items()}
+  return {role: dict(span=float(np.mean(spans[role])),
+                     regions={k: v / n_ctas[role] for k, v in regs.items()},
+                     entries={k: v / n_ctas[role]
+                              for k, v in counts[role].items()})
+          for role, regs in totals.items()}
+
+
+def profile_case(shape, tiling_spec: str, key, cfg) -> dict:
+  b, n, s, h, causal = shape
+  config = PRESETS["sage2-8b"]
+  tiling = mosaic_check.parse_tiling(tiling_spec)
+  q, k, v = testing.make_qkv(key, b, s, s, n, n, h, "normal", jnp.bfloat16,
+                             "BTNH")
+  call = _inputs.parse(q, k, v, is_causal=causal)
+  backend = mosaic.BACKEND
+  prepared = jax.jit(lambda q, k, v: backend.prepare(
+      _inputs.parse(q, k, v, is_causal=causal), config, tiling))(q, k, v)
+  plain = jax.jit(lambda p: backend.kernel(p, call, config, tiling))
+  t = timing.time_calls(plain, [(prepared,)], cfg)
+  steps = s // tiling.block_kv
+  result = dict(shape=shape, tiling=tiling_spec or "default",
+                kernel_ms=t.median_s * 1e3, kv_steps=steps)
+  with tempfile.TemporaryDirectory() as d:
+    profiled = jax.jit(lambda p: backend.kernel(p, call, config, tiling,
+                                                profile_dir=d))
+    jax.block_until_ready(profiled(prepared))
+    out = np.asarray(profiled(prepared)[0], np.float32)
+    ref = np.asarray(plain(prepared)[0], np.float32)
+    result["profiled_vs_plain_rel_l2"] = testing.error_metrics(
+        out, ref)["rel_l2"]
+    traces = sorted(glob.glob(os.path.join(d, "*-trace.json")))
+    result["warpgroups"] = region_clocks(traces[-1])
+  return result
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", default="bench_out")
+  parser.add_argument("--shapes", default="1,1,16384,128,0;1,1,16384,64,0",
+                      help="';'-separated B,N,S,H,causal (about one wave of "
+                      "CTAs: B·N·S/128 near the SM count)")
+  parser.add_argument("--kernel-variants", default="",
+                      help="';'-separated tilings as mosaic_check.py takes")
+  args = parser.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  dev = jax.devices()[0]
+  print(dict(jax=jax.__version__, device=dev.device_kind), flush=True)
+  cfg = timing.TimingConfig(repeats=5, target_s=0.05)
+  key = jax.random.key(int(time.time()))
+  shapes = [tuple(int(x) for x in sh.split(",")) for sh in
+            args.shapes.split(";")]
+  variants = [""] + list(filter(None, args.kernel_variants.split(";")))
+  results = []
+  for b, n, s, h, c in shapes:
+    for spec in variants:
+      key, sub = jax.random.split(key)
+      r = profile_case((b, n, s, h, bool(c)), spec, sub, cfg)
+      results.append(r)
+      print(json.dumps(r), flush=True)
+  with open(os.path.join(args.out, "kernel_profile.json"), "w") as f:
+    json.dump(dict(device=dev.device_kind, results=results), f, indent=1)
+  names = ("qk", "softmax", "convert", "logits", "row_max", "exp", "row_sum",
+           "pack", "issue_qk", "wait_v", "pv", "wait_k", "accumulate",
+           "wait_k_free", "wait_v_free")
+  print("\nclocks per KV step (mean over CTAs; profiled run)")
+  print("| shape | tiling | kernel ms | wg | span/step | " +
+        " | ".join(names) + " |")
+  for r in results:
+    for role, d in r["warpgroups"].items():
+      per = lambda x: x / r["kv_steps"]
+      cells = [f"{per(d['regions'].get(nm, 0.0)):.0f}" for nm in names]
+      print(f"| {r['shape']} | {r['tiling']} | {r['kernel_ms']:.3f} | "
+            f"{role} | {per(d['span']):.0f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+  main()
