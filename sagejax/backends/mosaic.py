@@ -43,12 +43,15 @@ MAX_HEAD_DIM = 128
 
 
 def default_tiling(head_dim: int, config: SageConfig) -> MosaicTiling:
-  """Kernel tiles by head dim (benchmarks/NOTES.md, Mosaic section 5): at
-  H=64, 256-key steps with the consumers taking turns around their
-  exponentials (+10-12% over 128-key steps meeting around the products)."""
-  del config
+  """Kernel tiles by head dim and P·V dtype (benchmarks/NOTES.md, Mosaic
+  section 5): at H=64 with FP8 P·V, 256-key steps with the consumers taking
+  turns around their exponentials (+10-12% over 128-key steps meeting
+  around the products); 16-bit P·V (``sage1``, the training forward) keeps
+  128-key steps (256 were not measured there)."""
   if head_dim <= 64:
-    return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
+    if config.pv_dtype == "fp8_e4m3":
+      return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
+    return MosaicTiling(block_kv=128, num_stages=3)
   return MosaicTiling(block_kv=128, num_stages=2)
 
 
