@@ -435,19 +435,17 @@ def attention_forward(
     blo, fblo, fbhi, bhi = kv_block_range(spec, cta_first, cta_last, q_len,
                                           kv_len, bkv, num_kv_blocks)
 
-    exp_turns = tiling.schedule_barrier and tiling.schedule_exp
+    # Where the consumers meet: around the products, around the
+    # exponentials, or nowhere.
+    turns_at = (None if not tiling.schedule_barrier
+                else "exp" if tiling.schedule_exp else "products")
 
-    def meet():
-      plgpu.barrier_arrive(sched)
-      plgpu.barrier_wait(sched)
-
-    def schedule():  # around the products
-      if tiling.schedule_barrier and not exp_turns:
-        meet()
-
-    def exp_turn():  # around the exponentials
-      if exp_turns:
-        meet()
+    def meet(where: Optional[str] = None):
+      """Both consumers meet here (any ``where``, when they take turns), or
+      only when they take turns ``where``."""
+      if turns_at is not None and where in (None, turns_at):
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
 
     @pl.when(wg < 2)
     def _consumer():
@@ -474,7 +472,7 @@ def attention_forward(
       def issue_qk(s_ref, slot):
         plgpu.wgmma(s_ref, q_smem.at[wg],
                     plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-        schedule()
+        meet("products")
 
       grouped = k_scale_grouped and tiling.register_softmax and ds_ref is None
       sum_rows = (row_sum if tiling.register_softmax
@@ -526,14 +524,14 @@ def attention_forward(
           alpha = jnp.exp2(m - m_use)
           shift = m_use - _LOG2_P_SCALE if fp8 else m_use
           shift_b = lax.broadcast_in_dim(shift, (bq, bkv), [0])
-        exp_turn()
+        meet("exp")
         with jax.named_scope("exp"):
           if use_grouped:
             p = jnp.exp2(x * factors - shift_b)
           else:
             p = jnp.exp2(t * lax.broadcast_in_dim(qs, (bq, bkv), [0])
                          - shift_b)
-        exp_turn()
+        meet("exp")
         with jax.named_scope("row_sum"):
           l = l * alpha + sum_rows(p)
         with jax.named_scope("pack"):
@@ -552,7 +550,7 @@ def attention_forward(
 
       def wait_for_v(slot):
         """Waits for step ``slot``'s V tile and the consumer's P·V turn."""
-        rendezvous = tiling.schedule_barrier and not exp_turns
+        rendezvous = turns_at == "products"
         if rendezvous:
           plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(v_bar.at[slot])
@@ -654,14 +652,8 @@ def attention_forward(
                               functools.partial(step_fn, masked=False), carry)
         return lax.fori_loop(fbhi, bhi, masked, carry)
 
-      def first_turn():  # consumer 0 goes first
-        if exp_turns:
-          meet()
-        else:
-          schedule()
-
       if tiling.overlap_qk:
-        pl.when(wg == 1)(first_turn)
+        pl.when(wg == 1)(meet)  # consumer 0 goes first
 
         def overlapped(s_ref, pv_ref):
           @pl.when(bhi > blo)
@@ -680,9 +672,9 @@ def attention_forward(
         def _():
           plgpu.barrier_wait(k_bar.at[0])
 
-        pl.when(wg == 1)(first_turn)
+        pl.when(wg == 1)(meet)  # consumer 0 goes first
         acc, m, l = run_steps(step, (acc, m, l))
-      pl.when(wg == 0)(meet if exp_turns else schedule)  # the last meeting
+      pl.when(wg == 0)(meet)  # answers consumer 1's last arrival
 
       rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
                                            layout=row_layout)

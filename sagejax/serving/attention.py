@@ -451,7 +451,8 @@ def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
     if default_config:
       math = dataclasses.replace(math,
                                  pv_dtype=MOSAIC_EXTEND_CONFIG.pv_dtype)
-    tiling = tiling or mosaic_paged.default_tiling(cache.head_dim)
+    tiling = tiling or mosaic_paged.default_tiling(cache.head_dim,
+                                                   math.pv_dtype)
     block_k = mosaic_paged.normalization_block(page_table, cache)
   else:
     if tiling is None:

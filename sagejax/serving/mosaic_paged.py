@@ -52,9 +52,11 @@ tokens): 1.15-1.24x cuDNN, FP16 P̃ 0.96-1.05x; relative L2 error vs exact
 channel-bias data (benchmarks/NOTES.md)."""
 
 
-def default_tiling(head_dim: int) -> MosaicTiling:
-  """The dense forward's tiles."""
-  return mosaic_backend.default_tiling(head_dim, MOSAIC_EXTEND_CONFIG)
+def default_tiling(head_dim: int, pv_dtype: str = MOSAIC_EXTEND_CONFIG.pv_dtype
+                   ) -> MosaicTiling:
+  """The dense forward's tiles for this head dim and P·V dtype."""
+  return mosaic_backend.default_tiling(
+      head_dim, MOSAIC_EXTEND_CONFIG.replace(pv_dtype=pv_dtype))
 
 
 def unsupported(cache: PagedKVCache, math: PagedMath) -> Optional[str]:
@@ -185,7 +187,7 @@ def extend_attention(q: jax.Array, q_len: jax.Array, kv_len: jax.Array,
     raise ValueError("PagedMath.block_k must span the whole sequence "
                      f"({normalization_block(page_table, cache)} keys) for "
                      f"the Mosaic extend, got {math.block_k}.")
-  tiling = tiling or default_tiling(q.shape[-1])
+  tiling = tiling or default_tiling(q.shape[-1], math.pv_dtype)
   operands = prepare(q, q_len, kv_len, cache, page_table, math, tiling)
   out = kernel(operands, math, out_dtype, tiling)[:, :q.shape[1]]
   return jnp.where(operands["bad"][:, None, None, None],
