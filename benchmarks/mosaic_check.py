@@ -74,8 +74,8 @@ def time_case(shape, variants, key, cfg):
 
 
 def parse_tiling(spec: str) -> MosaicTiling:
-  """``"bkv=64,stages=3,regs=240/24,sched=0,expturn=1,overlap=1,rs=0"`` → a
-  MosaicTiling."""
+  """``"bkv=64,stages=3,regs=240/24,sched=0,expturn=1,overlap=1,rs=0,qk=0"``
+  → a MosaicTiling."""
   kw = {}
   for item in filter(None, spec.split(",")):
     name, value = item.split("=")
@@ -94,6 +94,8 @@ def parse_tiling(spec: str) -> MosaicTiling:
       kw["overlap_qk"] = bool(int(value))
     elif name == "rs":
       kw["register_softmax"] = bool(int(value))
+    elif name == "qk":  # Q quantized in the kernel (1) or by a pass (0)
+      kw["quantize_q"] = bool(int(value))
     else:
       raise ValueError(f"unknown tiling field {name!r}")
   return MosaicTiling(**kw)
@@ -135,12 +137,29 @@ def variants_for(h, quick):
       return fn, prepare
     return make
 
+  def e2e_tiling(tiling):
+    """End to end (quantization included) with a tiling: prepare + kernel
+    in one jit."""
+    def make(causal):
+      backend = registry()[IMPL]
+      extra = () if IMPL == "xla" else (tiling,)
+      cfg = PRESETS["sage2-8b"]
+
+      def f(q, k, v):
+        call = _inputs.parse(q, k, v, is_causal=causal)
+        return backend.kernel(backend.prepare(call, cfg, *extra), call, cfg,
+                              *extra)
+      return jax.jit(f), None
+    return make
+
   out = [("cudnn", cudnn), ("mosaic e2e", e2e(IMPL)),
          ("mosaic kernel", kernel_only())]
-  out += [(f"kernel {v}", kernel_only(parse_tiling(v.replace("fp32acc", "")),
-                                      "sage2-8b-fp32acc" if "fp32acc" in v
-                                      else "sage2-8b"))
-          for v in KERNEL_VARIANTS]
+  for v in KERNEL_VARIANTS:
+    tiling = parse_tiling(v.replace("fp32acc", ""))
+    out.append((f"kernel {v}", kernel_only(
+        tiling, "sage2-8b-fp32acc" if "fp32acc" in v else "sage2-8b")))
+    if "fp32acc" not in v:
+      out.append((f"e2e {v}", e2e_tiling(tiling)))
   if KERNEL_VARIANTS:
     return out
   if not quick:
@@ -198,7 +217,7 @@ def main():
         print(f"=== compile {name} B={b} N={n} S={s} H={h} causal={causal}",
               flush=True)
         fn, prep = make(causal)
-        jax.block_until_ready(fn(*prep(*x)))
+        jax.block_until_ready(fn(*(prep(*x) if prep else x)))
     return
   speed = {}
   for shape in shapes:

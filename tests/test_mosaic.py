@@ -135,6 +135,47 @@ def test_lowers_for_cuda(preset, layout, masks, h):
   assert "mosaic_gpu" in text and "sage_quantize_v" in text
 
 
+@pytest.mark.parametrize("preset,dtype,in_kernel", [
+    ("sage2-8b", jnp.bfloat16, True), ("sage2-8b", jnp.float32, False),
+    ("sage1", jnp.bfloat16, False), ("sage2-4b", jnp.bfloat16, False)])
+def test_q_is_quantized_in_the_kernel_where_its_groups_allow(preset, dtype,
+                                                             in_kernel):
+  """With ``MosaicTiling(quantize_q=True)``, 16-bit Q with groups inside a
+  warp (per thread, per warp, per token) is quantized in the kernel's
+  prologue: no Q quantization pass; per-block groups (sage1), smoothed Q
+  (sage2-4b) and FP32 inputs keep the pass, as the default tiling does."""
+  q, k, v = _data(1, 300, 200, 4, 2, 128, dtype=dtype)
+  config = mosaic.hopper_config(PRESETS[preset])
+  assert (mosaic.quantize_q_in_kernel(_inputs.parse(q, k, v), config)
+          is not None) == in_kernel
+  for tiling, expect in ((MosaicTiling(quantize_q=True), in_kernel),
+                         (MosaicTiling(), False)):
+    def f(q, k, v, tiling=tiling):
+      call = _inputs.parse(q, k, v, is_causal=True)
+      prepared = mosaic.BACKEND.prepare(call, PRESETS[preset], tiling)
+      return mosaic.BACKEND.kernel(prepared, call, PRESETS[preset], tiling)
+
+    text = jax.jit(f).trace(q, k, v).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert ("sage_quantize_q" in text) != expect
+
+
+def test_hopper_config_groups_are_a_threads_rows():
+  """On Hopper a warp owns 16 query rows: per-thread Q groups are rows r
+  and r + 8 of each 16 (as SageAttention2's sm90 kernel), per-warp ones 16
+  rows; per-block groups are unchanged."""
+  config = mosaic.hopper_config(PRESETS["sage2-8b"])
+  assert config.num_warps == config.block_q // 16
+  ids = quant.token_groups(128, "q", config)
+  rows = np.arange(128)
+  np.testing.assert_array_equal(ids, rows // 16 * 8 + rows % 8)
+  warp = mosaic.hopper_config(PRESETS["sage2-8b"].replace(
+      qk_granularity="per_warp"))
+  np.testing.assert_array_equal(quant.token_groups(128, "q", warp),
+                                rows // 16)
+  assert mosaic.hopper_config(PRESETS["sage1"]) == PRESETS["sage1"]
+
+
 @pytest.mark.parametrize("tiling", ["overlap_qk", "generic_softmax"])
 def test_pipelining_variants_lower_for_cuda(tiling):
   """The non-default consumer pipelines lower for CUDA on the CPU too
@@ -310,6 +351,59 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
   want_lse = np.where(rows, want_lse, -np.inf)
   assert testing.error_metrics(got, want)["rel_l2"] < 5e-3
   np.testing.assert_allclose(got_lse, want_lse, atol=1e-2)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("granularity,layout", [
+    ("per_thread", "BTNH"), ("per_thread", "BNTH"), ("per_warp", "BTNH"),
+    ("per_token", "BNTH")])
+def test_gpu_kernel_quantizing_q_matches_xla_arithmetic(granularity, layout):
+  """Q quantized in the kernel's prologue (bf16 Q read in place, rows past
+  the query length zeroed, one NaN row) == quant.py's quantization with the
+  Hopper groups, then the "xla" arithmetic; the LSE includes the row shift
+  of K smoothing."""
+  config = mosaic.hopper_config(PRESETS["sage2-8b"].replace(
+      qk_granularity=granularity))
+  b, t, s, n, kh, h = 2, 384, 640, 4, 2, 128
+  q, k, v = _data(b, t, s, n, kh, h, kind="qkv_channel_bias", layout=layout)
+  q = q.at[(1, 100, 3, 5) if layout == "BTNH" else (1, 3, 100, 5)].set(
+      jnp.nan)
+  canon = lambda x: x if layout == "BNTH" else jnp.swapaxes(x, 1, 2)
+  sm_scale = h ** -0.5
+  lengths = (jnp.array([t, t - 37], jnp.int32),
+             jnp.array([s - 5, s - 200], jnp.int32))
+  spec = MaskSpec(True, "bottom_right", None, t, s)
+  qkv = quant.quantize(canon(q), canon(k), canon(v), config, sm_scale,
+                       q_lengths=lengths[0], kv_lengths=lengths[1])
+  want, want_lse = xla.attend_quantized(
+      qkv, config, spec, q_lengths=lengths[0], kv_lengths=lengths[1])
+  want_lse = want_lse + qkv.lse_shift
+  k_mean = quant.token_mean(canon(k).astype(jnp.float32), lengths[1])
+  call = _inputs.parse(q, k, v, layout=layout)
+  quantize_q = mosaic.quantize_q_in_kernel(call, config)
+  assert quantize_q.rows_per_group == {"per_thread": 2, "per_warp": 16,
+                                       "per_token": 1}[granularity]
+  order = mosaic_attention.pv_key_order(qkv.k.shape[2])
+  v_t = jnp.swapaxes(qkv.v[:, :, order], 2, 3)
+  _poison(b * n * t * h * 4 * 4)
+  got, got_lse = jax.jit(lambda *a: mosaic_attention.attention_forward(
+      *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
+      out_dtype=jnp.float32, out_layout="BNTH",
+      k_scale_grouped=mosaic.k_scale_grouped(config),
+      quantize_q=quantize_q, k_mean=k_mean, q_layout=layout))(
+          q, None, qkv.k, qkv.k_scale, v_t, qkv.v_scale, None, None)
+  got, got_lse = got[:, :, :t], got_lse[:, :, :t]
+  rows = np.arange(t)[None, None, :] < np.asarray(lengths[0])[:, None, None]
+  bad = np.zeros((b, n, t), bool)
+  bad[1, 3, 100] = True  # the NaN row: NaN in both, compared apart
+  assert np.isnan(np.asarray(got[1, 3, 100])).all()
+  assert np.isnan(np.asarray(got_lse[1, 3, 100]))
+  keep = rows & ~bad
+  got, want = (np.where(keep[..., None], x, 0) for x in (got, want))
+  assert testing.error_metrics(got, want)["rel_l2"] < 5e-3
+  np.testing.assert_allclose(np.where(keep, got_lse, 0),
+                             np.where(keep, want_lse, 0), atol=1e-2)
 
 
 @gpu

@@ -4,7 +4,10 @@ The attention kernel (:mod:`sagejax.kernels.mosaic_attention`) runs INT8
 Q·Kᵀ and FP8 P·V on Hopper's ``wgmma`` tensor cores with TMA loads and
 warp-specialised, ping-ponged consumer warpgroups. Inputs are quantized by
 the Pallas quantization kernels of the ``"pallas"`` backend, with V stored
-transposed and in the kernel's key order.
+transposed and in the kernel's key order, and Q's per-thread/per-warp groups
+in the Hopper geometry (:func:`hopper_config`); with
+``MosaicTiling(quantize_q=True)`` the kernel quantizes Q itself
+(:func:`quantize_q_in_kernel`; measured slower, off by default).
 
 Calls it does not serve (``unsupported`` says why, and ``implementation=None``
 then picks the ``"pallas"`` backend): user ``mask``/``bias`` arrays, head dims
@@ -36,7 +39,8 @@ from sagejax.backends.pallas_triton import (Prepared, pad_axis,
 from sagejax.config import SageConfig
 from sagejax.kernels import mosaic_backward, triton_backward
 from sagejax.kernels._common import next_pow2
-from sagejax.kernels.mosaic_attention import MosaicTiling, attention_forward
+from sagejax.kernels.mosaic_attention import (MosaicTiling, QuantizeQ,
+                                              attention_forward)
 from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
 
 MAX_HEAD_DIM = 128
@@ -63,6 +67,39 @@ def default_backward_tiling(head_dim: int, fused_dq: bool = False
   if fused_dq:
     return MosaicBackwardTiling(block_q=8192 // head_dim, fused_dq=True)
   return MosaicBackwardTiling()
+
+
+def hopper_config(config: SageConfig) -> SageConfig:
+  """The config as the Hopper kernel runs it: a warp of the ``wgmma``
+  layout owns 16 query rows, so per-thread Q groups are a thread's rows
+  ``r`` and ``r + 8`` of 16 and per-warp groups 16 rows (SageAttention2's
+  sm90 kernel quantizes with the same geometry); ``num_warps`` is then
+  ``block_q // 16``. Other granularities, and ``block_q`` above 128, are
+  unchanged."""
+  warps = config.block_q // 16
+  if (config.qk_granularity in ("per_thread", "per_warp")
+      and config.block_q % 16 == 0 and warps in (1, 2, 4, 8)):
+    return config.replace(num_warps=warps)
+  return config
+
+
+def quantize_q_in_kernel(call: ParsedCall, config: SageConfig
+                         ) -> Optional[QuantizeQ]:
+  """How the attention kernel quantizes Q itself (:class:`QuantizeQ`), or
+  None where a Pallas pass must: smoothed Q (its block means and ΔS),
+  per-block groups (they span warpgroups), and inputs that are not 16-bit.
+  ``config`` is the :func:`hopper_config`."""
+  if config.smooth_q or jnp.dtype(call.q.dtype).itemsize != 2:
+    return None
+  rows = {"per_token": 1}
+  if config.rows_per_warp == 16:
+    rows.update(per_thread=2, per_warp=16)
+  if config.qk_granularity not in rows:
+    return None
+  return QuantizeQ(qmax=config.qmax,
+                   rows_per_group=rows[config.qk_granularity],
+                   scale_mult=call.sm_scale * quant.LOG2E,
+                   shift_mult=call.sm_scale)
 
 
 def k_scale_grouped(config: SageConfig) -> bool:
@@ -108,21 +145,27 @@ class _MosaicBackend:
 
   def prepare(self, call: ParsedCall, config: SageConfig,
               tiling: Optional[MosaicTiling] = None) -> Prepared:
-    """Quantizes Q, K, V for the kernel (INT4 unpacked to INT8 values:
-    Hopper has no 4-bit tensor cores)."""
+    """Quantizes K, V (and Q, unless the kernel does:
+    :func:`quantize_q_in_kernel`) for the kernel, with the
+    :func:`hopper_config`'s groups (INT4 unpacked to INT8 values: Hopper
+    has no 4-bit tensor cores)."""
     _, _, _, h, _, _ = call.dims
     hp = max(64, next_pow2(h))
+    config = hopper_config(config)
     tiling = tiling or default_tiling(hp, config)
     fp8 = config.pv_dtype == "fp8_e4m3"
     prepared = quantize_inputs(
         call, config, head_dim=hp,
         t_multiple=max(config.block_q, 2 * tiling.block_q),
         s_multiple=max(config.block_k, tiling.block_kv),
-        v_transposed=fp8, v_wgmma_key_order=fp8)
+        v_transposed=fp8, v_wgmma_key_order=fp8,
+        quantize_q=(not tiling.quantize_q
+                    or quantize_q_in_kernel(call, config) is None))
     if config.qk_dtype == "int4":
       qkv = prepared.qkv
+      q = qkv.q if qkv.q is None else quant.unpack_int4(qkv.q)
       prepared = dataclasses.replace(prepared, qkv=dataclasses.replace(
-          qkv, q=quant.unpack_int4(qkv.q), k=quant.unpack_int4(qkv.k)))
+          qkv, q=q, k=quant.unpack_int4(qkv.k)))
     return prepared
 
   def kernel(self, prepared: Prepared, call: ParsedCall, config: SageConfig,
@@ -132,14 +175,21 @@ class _MosaicBackend:
     ``profile_dir``: see :func:`attention_forward`."""
     b, n, t, h, _, _ = call.dims
     qkv = prepared.qkv
-    tiling = tiling or default_tiling(qkv.q.shape[-1], config)
+    config = hopper_config(config)
+    tiling = tiling or default_tiling(qkv.k.shape[-1], config)
+    if prepared.q_raw is None:  # quantized by a pass (or by the caller)
+      q, q_layout, quantize_q = qkv.q, "BNTH", None
+    else:
+      q, q_layout = prepared.q_raw, call.layout
+      quantize_q = quantize_q_in_kernel(call, config)
     out, lse = attention_forward(
-        qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, qkv.v, qkv.v_scale,
+        q, qkv.q_scale, qkv.k, qkv.k_scale, qkv.v, qkv.v_scale,
         qkv.v_mean, qkv.delta_s, call.spec, q_lengths=prepared.q_lengths,
         kv_lengths=prepared.kv_lengths, config_block_q=config.block_q,
         out_dtype=call.q.dtype, out_layout=call.layout,
         pv_two_level=config.pv_accumulation == "fp32+fp32",
-        k_scale_grouped=k_scale_grouped(config), tiling=tiling,
+        k_scale_grouped=k_scale_grouped(config), quantize_q=quantize_q,
+        k_mean=prepared.k_mean, q_layout=q_layout, tiling=tiling,
         profile_dir=profile_dir)
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]

@@ -112,18 +112,25 @@ class Prepared:
   """Quantized inputs plus what the attention kernel needs to run on them.
 
   ``mask`` (int8) and ``bias`` are the caller's, ``[B|1, N|1, T_pad, S_pad]``.
+  ``q_raw``: Q as given (16-bit, the call's layout, padded) when the
+  attention kernel quantizes it itself; ``qkv.q``, ``qkv.q_scale`` and
+  ``qkv.lse_shift`` are then None and ``k_mean`` (f32 ``[B, K, H]``, or None
+  without K smoothing) is what the kernel's LSE shift needs.
   """
   qkv: quant.QuantizedQKV
   q_lengths: jax.Array
   kv_lengths: jax.Array
   mask: Optional[jax.Array] = None
   bias: Optional[jax.Array] = None
+  q_raw: Optional[jax.Array] = None
+  k_mean: Optional[jax.Array] = None
 
 
 def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                     t_multiple: int, s_multiple: int, v_transposed: bool,
                     v_store_dtype=None, v_wgmma_key_order: bool = False,
-                    interpret: bool = False) -> Prepared:
+                    quantize_q: bool = True, interpret: bool = False
+                    ) -> Prepared:
   """Smooths and quantizes Q, K, V with the Pallas (Triton) kernels.
 
   The token axes are padded to multiples of ``t_multiple`` / ``s_multiple``
@@ -132,6 +139,7 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   ``v_transposed`` (keys in the Mosaic kernel's order with
   ``v_wgmma_key_order``), stored as ``v_store_dtype`` (default: the config's
   P·V operand type). XLA computes the reductions over all tokens.
+  ``quantize_q=False`` leaves Q to the attention kernel (``Prepared.q_raw``).
   """
   b, n, t, h, kh, s = call.dims
   layout = call.layout
@@ -162,10 +170,12 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
     v_scale = jnp.ones((b, kh, head_dim), jnp.float32)
 
   # The Q kernel also makes the LSE shift q·k̄ (no second read of Q).
-  q_vals, q_scale, q_bmean, lse_shift = triton_quantize.quantize_qk(
-      q, q_lengths, None, role="q", config=config, layout=layout,
-      scale_mult=call.sm_scale * quant.LOG2E, k_mean=k_mean,
-      shift_mult=call.sm_scale, interpret=interpret)
+  q_vals = q_scale = q_bmean = lse_shift = None
+  if quantize_q:
+    q_vals, q_scale, q_bmean, lse_shift = triton_quantize.quantize_qk(
+        q, q_lengths, None, role="q", config=config, layout=layout,
+        scale_mult=call.sm_scale * quant.LOG2E, k_mean=k_mean,
+        shift_mult=call.sm_scale, interpret=interpret)
   k_vals, k_scale, _, _ = triton_quantize.quantize_qk(
       k, kv_lengths, k_mean, role="k", config=config, layout=layout,
       interpret=interpret)
@@ -191,7 +201,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                            v_mean=v_mean, delta_s=delta_s, lse_shift=lse_shift)
   return Prepared(qkv=qkv, q_lengths=q_lengths, kv_lengths=kv_lengths,
                   mask=_pairwise(call.mask, t_pad, s_pad, jnp.int8),
-                  bias=_pairwise(call.bias, t_pad, s_pad, None))
+                  bias=_pairwise(call.bias, t_pad, s_pad, None),
+                  q_raw=None if quantize_q else q,
+                  k_mean=None if quantize_q else k_mean)
 
 
 class _PallasTritonBackend:

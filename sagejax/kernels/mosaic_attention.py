@@ -28,7 +28,9 @@ The softmax's key scales and row sums work on registers where the K scale
 groups allow (:func:`grouped_logits`); ``MosaicTiling.overlap_qk`` issues
 the next step's Q·Kᵀ before the softmax (benchmarks/NOTES.md, section 4);
 ``MosaicTiling.schedule_exp`` makes the consumers alternate their
-exponentials rather than their softmaxes (the H=64 default, section 5).
+exponentials rather than their softmaxes (the H=64 default, section 5);
+``MosaicTiling.quantize_q`` has each consumer quantize its 16-bit Q rows in
+the prologue (:class:`QuantizeQ`, section 6; off).
 
 Each KV block's P·V starts from a fresh accumulator and is added into the
 FP32 output accumulator (``"fp32+fp32"``); with ``pv_two_level=False`` the
@@ -83,6 +85,11 @@ class MosaicTiling:
       with ``k_scale_grouped`` inputs the key scales applied once per
       thread and 64 keys (the functions above ``_as_pv_operand``) rather
       than to every score.
+    quantize_q: Q quantized in the kernel's prologue where its groups allow
+      (:class:`QuantizeQ`; same arithmetic as the Pallas pass before the
+      kernel). Off: measured slower on an H100 (benchmarks/NOTES.md, Mosaic
+      section 6): the prologue costs a CTA as much as the pass saves, and
+      the unprofiled KV loop ran 6% slower at H=128.
   """
 
   block_q: int = 64
@@ -94,6 +101,7 @@ class MosaicTiling:
   schedule_exp: bool = False
   overlap_qk: bool = False
   register_softmax: bool = True
+  quantize_q: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -122,6 +130,40 @@ def check_registers(owner: str, consumer: int, producer: int) -> None:
     raise ValueError(
         f"{owner}: 2 * consumer_registers + producer_registers must be <= "
         f"512 (the register file), got {regs}; lower consumer_registers.")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeQ:
+  """Q quantized in the kernel's prologue (no pass over Q before the kernel).
+
+  Each consumer loads its ``[block_q, H]`` rows of the 16-bit Q, zeroes the
+  rows past the query length, and quantizes them symmetrically (round to
+  nearest even) by the largest finite magnitude of their group, as
+  :func:`sagejax.quant.quantize_groups` does with groups that live inside one
+  warp of the wgmma layout (a warp owns 16 rows; thread ``4r + c`` rows ``r``
+  and ``r + 8``).
+
+  Attributes:
+    qmax: 127 (INT8) or 7 (INT4 values, kept in int8: Hopper has no 4-bit
+      tensor cores).
+    rows_per_group: rows sharing a scale: 1 (per token), 2 (per thread: rows
+      ``r`` and ``r + 8`` of a warp's 16) or 16 (per warp).
+    scale_mult: folded into the scales (``sm_scale·log2 e``).
+    shift_mult: with ``k_mean``, the LSE gains ``shift_mult · q·k̄`` per row
+      (:func:`sagejax.quant.lse_shift`; ``sm_scale``).
+  """
+
+  qmax: int
+  rows_per_group: int
+  scale_mult: float
+  shift_mult: float = 1.0
+
+  def __post_init__(self):
+    if self.qmax not in (7, 127):
+      raise ValueError(f"QuantizeQ.qmax must be 7 or 127, got {self.qmax}.")
+    if self.rows_per_group not in (1, 2, 16):
+      raise ValueError("QuantizeQ.rows_per_group must be 1, 2 or 16 (groups "
+                       f"inside one warp), got {self.rows_per_group}.")
 
 
 def pv_key_order(n: int) -> np.ndarray:
@@ -312,6 +354,29 @@ def row_sum(p: jax.Array) -> jax.Array:
   return total(p)
 
 
+def group_rows_max(x: jax.Array, rows_per_group: int) -> jax.Array:
+  """Max of a ``[64]`` row-layout vector over groups of rows inside a warp:
+  2 (the rows ``r``, ``r + 8`` one thread holds) or 16 (the warp's rows,
+  across the lanes ``4r + c`` of equal ``c``). Values must not be NaN."""
+  rows = x.shape[0]
+  if rows_per_group == 1:
+    return x
+  layout = plgpu.Layout.WGMMA.reduce(1)
+
+  @plgpu.inline_mgpu(
+      arg_types=(layout,),
+      return_type=plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=layout))
+  def grouped(_, x):
+    mgpu, _, _, arith, _ = _mgpu()
+    v = arith.maximumf(*(_element(r) for r in x.registers.reshape(2)))
+    if rows_per_group == 16:
+      for lanes in (4, 8, 16):
+        v = arith.maximumf(v, mgpu.utils.shfl_bfly(v, lanes))
+    return _row_array([v, v], rows)
+
+  return grouped(x)
+
+
 def _as_pv_operand(p8: jax.Array) -> jax.Array:
   """FP8 P̃ in the accumulator layout → the 8-bit wgmma A-operand layout.
 
@@ -359,6 +424,9 @@ def attention_forward(
     out_layout: str = "BNTH", pv_two_level: bool = True,
     v_key_scale: Optional[jax.Array] = None,
     k_scale_grouped: bool = False,
+    quantize_q: Optional[QuantizeQ] = None,
+    k_mean: Optional[jax.Array] = None,
+    q_layout: str = "BNTH",
     tiling: MosaicTiling = MosaicTiling(),
     profile_dir: Optional[str] = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -366,7 +434,10 @@ def attention_forward(
 
   Args:
     q: int8 ``[B, N, T_pad, H]``; ``T_pad`` a multiple of ``2 * block_q``.
-    q_scale: f32 ``[B, N, T_pad]`` (includes ``sm_scale·log2 e``).
+      With ``quantize_q``: the 16-bit Q in ``q_layout`` (``[B, T_pad, N,
+      H]`` for ``"BTNH"``), quantized by the kernel.
+    q_scale: f32 ``[B, N, T_pad]`` (includes ``sm_scale·log2 e``); None with
+      ``quantize_q``.
     k: int8 ``[B, K, S_pad, H]``; ``S_pad`` a multiple of ``block_kv``.
     k_scale: f32 ``[B, K, S_pad]``.
     v: FP8 e4m3 ``[B, K, H, S_pad]`` with keys in :func:`pv_key_order`, or
@@ -386,6 +457,10 @@ def attention_forward(
       and key index mod 8 // 2 (SageAttention2's per-thread K groups, or
       per-block ones of a multiple of 64 keys); the kernel then applies it
       once per thread and 64 keys (:func:`grouped_logits`).
+    quantize_q: Q quantized in the prologue (:class:`QuantizeQ`).
+    k_mean: with ``quantize_q``, f32 ``[B, K, H]``: K's mean, whose row
+      shift ``quantize_q.shift_mult · q·k̄`` the kernel adds to the LSE.
+    q_layout: ``q``'s layout, ``"BNTH"`` or (with ``quantize_q``) ``"BTNH"``.
     profile_dir: write a Perfetto trace of each call's named regions per
       warpgroup (Mosaic GPU's on-device profiler, ``%clock`` stamps) there;
       ``benchmarks/kernel_profile.py`` reads it. The stamps constrain the
@@ -395,7 +470,10 @@ def attention_forward(
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
     ``[B, N, T_pad]``); rows that see no key give zeros and −inf.
   """
-  b, n, t_pad, h = q.shape
+  if q_layout == "BTNH":
+    b, t_pad, n, h = q.shape
+  else:
+    b, n, t_pad, h = q.shape
   kh, s_pad = k.shape[1], k.shape[2]
   g = n // kh
   fp8 = v.dtype == quant.FP8_DTYPE
@@ -403,8 +481,21 @@ def attention_forward(
   if t_pad % (2 * bq) or s_pad % bkv:
     raise ValueError(f"padded lengths T={t_pad}, S={s_pad} must be multiples "
                      f"of {2 * bq} and {bkv}.")
-  if q.dtype != jnp.int8 or k.dtype != jnp.int8:
-    raise ValueError("q and k must be int8 (INT4 is unpacked to int8 first).")
+  if quantize_q is None:
+    if q.dtype != jnp.int8 or q_layout != "BNTH" or q_scale is None:
+      raise ValueError("Without quantize_q, q must be int8 [B, N, T_pad, H] "
+                       "with its q_scale.")
+  elif jnp.dtype(q.dtype).itemsize != 2 or q_scale is not None:
+    raise ValueError("With quantize_q, q must be 16-bit (bf16/fp16) and "
+                     "q_scale None (the kernel makes it).")
+  if quantize_q is not None and delta_s is not None:
+    raise ValueError("smoothed Q (delta_s) needs Q quantized before the "
+                     "kernel: pass quantize_q=None.")
+  if k_mean is not None and quantize_q is None:
+    raise ValueError("k_mean is the in-kernel LSE shift: only with "
+                     "quantize_q (else the caller adds quant.lse_shift).")
+  if k.dtype != jnp.int8:
+    raise ValueError("k must be int8 (INT4 is unpacked to int8 first).")
   if delta_s is not None and config_block_q % (2 * bq):
     raise ValueError(f"config block_q={config_block_q} must be a multiple of "
                      f"{2 * bq} when Q is smoothed.")
@@ -415,11 +506,12 @@ def attention_forward(
   pv_dtype = v.dtype
 
   def kernel(refs, out_ref, lse_ref, scratch):
-    q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, ql_ref, kl_ref = (
-        refs[name] for name in ("q", "qs", "k", "ks", "v", "vs", "ql", "kl"))
+    q_ref, k_ref, ks_ref, v_ref, vs_ref, ql_ref, kl_ref = (
+        refs[name] for name in ("q", "k", "ks", "v", "vs", "ql", "kl"))
     vm_ref, ds_ref, vks_ref = refs.get("vm"), refs.get("ds"), refs.get("vks")
+    qs_ref, km_ref = refs.get("qs"), refs.get("km")
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, ds_smem, o_smem, lse_smem,
-     vs_smem, vm_smem, vks_smem) = scratch[0]
+     vs_smem, vm_smem, vks_smem, qx_smem, km_smem, shift_smem) = scratch[0]
     q_bar, k_bar, v_bar = scratch[1]
     k_free, v_free = scratch[2]
     sched = scratch[3]
@@ -447,20 +539,59 @@ def attention_forward(
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
+    def quantize_rows(row0):
+      """This consumer's Q rows quantized into ``q_smem`` (see
+      :class:`QuantizeQ`), their scales into ``qs_smem`` (with
+      ``scale_mult``; NaN for a row holding a NaN or ±Inf) and, with
+      ``k_mean``, their LSE shifts ``shift_mult · q·k̄`` into
+      ``shift_smem``."""
+      qq = quantize_q
+      x = load_all(qx_smem.at[wg], plgpu.Layout.WGMMA).astype(jnp.float32)
+      rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq, h), 0,
+                                           layout=plgpu.Layout.WGMMA)
+      x = jnp.where(rows < q_len, x, 0.0)
+      a = jnp.abs(x)
+      amax = jnp.where(a < jnp.inf, a, jnp.inf).max(axis=1)  # NaN -> inf
+      finite = amax < jnp.inf
+      group = group_rows_max(jnp.where(finite, amax, 0.0), qq.rows_per_group)
+      scale = jnp.where(group > 0, group / qq.qmax, 1.0)
+      inv_scale = lax.broadcast_in_dim(1.0 / scale, (bq, h), [0])
+      y = jnp.round(x * inv_scale)
+      y = jnp.where(lax.broadcast_in_dim(finite, (bq, h), [0]),
+                    jnp.clip(y, -qq.qmax, qq.qmax), 0.0)
+      q_smem.at[wg][...] = y.astype(jnp.int8)
+      # The scales and shifts wait in shared memory (no registers held
+      # through the KV loop).
+      qs_smem.at[wg][...] = jnp.where(finite, scale * qq.scale_mult, jnp.nan)
+      if km_ref is not None:
+        km = load_all(km_smem.at[wg], col_layout)
+        shift = (x * lax.broadcast_in_dim(km, (bq, h), [1])).sum(axis=1)
+        shift_smem.at[wg][...] = shift * qq.shift_mult
+      plgpu.commit_smem()  # the stores, before the wgmma reads them
+
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(tiling.consumer_registers, action="increase")
       row0 = cta_first + wg * bq
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)],
-                              q_smem.at[wg], q_bar.at[wg])
-      plgpu.copy_gmem_to_smem(qs_ref.at[batch, head, pl.ds(row0, bq)],
-                              qs_smem.at[wg], q_bar.at[wg])
+      q_rows = tile_rows(q_ref, q_layout, batch, head, row0, bq)
+      if quantize_q is None:
+        plgpu.copy_gmem_to_smem(q_rows, q_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(qs_ref.at[batch, head, pl.ds(row0, bq)],
+                                qs_smem.at[wg], q_bar.at[wg])
+      else:
+        plgpu.copy_gmem_to_smem(q_rows, qx_smem.at[wg], q_bar.at[wg])
+      if km_ref is not None:
+        plgpu.copy_gmem_to_smem(km_ref.at[batch, kv_head], km_smem.at[wg],
+                                q_bar.at[wg])
       plgpu.copy_gmem_to_smem(vs_ref.at[batch, kv_head], vs_smem.at[wg],
                               q_bar.at[wg])
       if vm_ref is not None:
         plgpu.copy_gmem_to_smem(vm_ref.at[batch, kv_head], vm_smem.at[wg],
                                 q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
+      if quantize_q is not None:
+        with jax.named_scope("quantize_q"):
+          quantize_rows(row0)
       qs = load_all(qs_smem.at[wg], row_layout)
       inv_qs = 1.0 / qs if ds_ref is not None else None
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
@@ -689,9 +820,10 @@ def attention_forward(
                         out + lax.broadcast_in_dim(vm, (bq, h), [1]), 0.0)
       o_smem.at[wg][...] = out.astype(out_dtype)
       p_shift = _LOG2_P_SCALE if fp8 else 0.0
-      lse_smem.at[wg][...] = jnp.where(
-          seen, (m + jnp.log2(jnp.where(seen, l, 1.0)) - p_shift) * quant.LN2,
-          -jnp.inf)
+      lse = (m + jnp.log2(jnp.where(seen, l, 1.0)) - p_shift) * quant.LN2
+      if km_ref is not None:  # the row shifts quantize_rows left there
+        lse = lse + load_all(shift_smem.at[wg], row_layout)
+      lse_smem.at[wg][...] = jnp.where(seen, lse, -jnp.inf)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(
           o_smem.at[wg], tile_rows(out_ref, out_layout, batch, head, row0, bq))
@@ -737,7 +869,8 @@ def attention_forward(
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
 
   inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
-                ds=delta_s, vks=v_key_scale, ql=q_lengths, kl=kv_lengths)
+                ds=delta_s, vks=v_key_scale, km=k_mean, ql=q_lengths,
+                kl=kv_lengths)
   names = tuple(name for name, x in inputs.items() if x is not None)
 
   def entry(*all_refs):
@@ -757,8 +890,12 @@ def attention_forward(
         plgpu.SMEM((2, h), jnp.float32),
         None if "vm" not in refs else plgpu.SMEM((2, h), jnp.float32),
         None if "vks" not in refs else plgpu.SMEM((stages, bkv), jnp.float32),
+        None if quantize_q is None else wgmma_smem((2, bq, h), q.dtype),
+        None if "km" not in refs else plgpu.SMEM((2, h), jnp.float32),
+        None if "km" not in refs else plgpu.SMEM((2, bq), jnp.float32),
     )
-    q_arrivals = 3 if "vm" not in refs else 4
+    # Q (and its scales, or K's mean), V's scales and mean.
+    q_arrivals = 2 + sum(name in refs for name in ("qs", "km", "vm"))
     k_arrivals = 2 + (ds_ref is not None) + ("vks" in refs)
     pl.run_scoped(
         lambda *scratch: kernel(refs, out_ref, lse_ref, scratch),
