@@ -117,9 +117,11 @@ def variants_for(h, quick):
         q, k, v, is_causal=causal, implementation="cudnn"))
     return f, None
 
-  def kernel_only(tiling=None, preset="sage2-8b"):
+  def kernel_only(tiling=None, preset="sage2-8b", warps=None):
     cfg = (PRESETS["sage2-8b"].replace(pv_accumulation="fp32")
            if preset == "sage2-8b-fp32acc" else PRESETS[preset])
+    if warps:
+      cfg = cfg.replace(num_warps=warps)
 
     def make(causal):
       parse = lambda q, k, v: _inputs.parse(q, k, v, is_causal=causal)
@@ -137,13 +139,15 @@ def variants_for(h, quick):
       return fn, prepare
     return make
 
-  def e2e_tiling(tiling):
+  def e2e_tiling(tiling, warps=None):
     """End to end (quantization included) with a tiling: prepare + kernel
     in one jit."""
     def make(causal):
       backend = registry()[IMPL]
       extra = () if IMPL == "xla" else (tiling,)
       cfg = PRESETS["sage2-8b"]
+      if warps:
+        cfg = cfg.replace(num_warps=warps)
 
       def f(q, k, v):
         call = _inputs.parse(q, k, v, is_causal=causal)
@@ -155,11 +159,17 @@ def variants_for(h, quick):
   out = [("cudnn", cudnn), ("mosaic e2e", e2e(IMPL)),
          ("mosaic kernel", kernel_only())]
   for v in KERNEL_VARIANTS:
-    tiling = parse_tiling(v.replace("fp32acc", ""))
+    # "warps=8" is the config's num_warps (16-row Q groups: what qk=1 needs)
+    items = v.replace("fp32acc", "").split(",")
+    warps = [int(x[6:]) for x in items if x.startswith("warps=")]
+    warps = warps[0] if warps else None
+    tiling = parse_tiling(",".join(x for x in items
+                                   if not x.startswith("warps=")))
     out.append((f"kernel {v}", kernel_only(
-        tiling, "sage2-8b-fp32acc" if "fp32acc" in v else "sage2-8b")))
+        tiling, "sage2-8b-fp32acc" if "fp32acc" in v else "sage2-8b",
+        warps)))
     if "fp32acc" not in v:
-      out.append((f"e2e {v}", e2e_tiling(tiling)))
+      out.append((f"e2e {v}", e2e_tiling(tiling, warps)))
   if KERNEL_VARIANTS:
     return out
   if not quick:
@@ -176,7 +186,8 @@ def main():
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--kernel-variants", default="",
                       help="';'-separated tilings, e.g. 'bkv=64,stages=3;"
-                      "regs=240/24' (only these beside cudnn and default)")
+                      "regs=240/24;qk=1,warps=8' (only these beside cudnn "
+                      "and default; warps= sets SageConfig.num_warps)")
   parser.add_argument("--shapes", default="",
                       help="';'-separated B,N,S,H,causal (causal 0/1)")
   parser.add_argument("--compile-only", action="store_true",

@@ -64,9 +64,7 @@ class SageConfig:
     smooth_v: subtract V's mean over tokens; added back to the output.
     block_q: rows of a Q block (quantization groups, kernel tile).
     block_k: rows of a K block (quantization groups, accumulation block).
-    num_warps: warps that share a Q block (per-warp and per-thread groups);
-      the ``"mosaic"`` backend takes ``block_q // 16`` (a ``wgmma`` warp owns
-      16 rows; ``sagejax.backends.mosaic.hopper_config``).
+    num_warps: warps that share a Q block (per-warp and per-thread groups).
     backward_stats: where a kernel backward (``jax.grad``) takes the softmax
       statistics from. ``"recompute"``: exact LSE and δ = rowsum(dO ∘ O)
       from a 16-bit forward pass run by the backward (the cost of one more

@@ -135,45 +135,38 @@ def test_lowers_for_cuda(preset, layout, masks, h):
   assert "mosaic_gpu" in text and "sage_quantize_v" in text
 
 
-@pytest.mark.parametrize("preset,dtype,in_kernel", [
-    ("sage2-8b", jnp.bfloat16, True), ("sage2-8b", jnp.float32, False),
-    ("sage1", jnp.bfloat16, False), ("sage2-4b", jnp.bfloat16, False)])
-def test_q_is_quantized_in_the_kernel_where_its_groups_allow(preset, dtype,
-                                                             in_kernel):
-  """With ``MosaicTiling(quantize_q=True)``, 16-bit Q with groups inside a
-  warp (per thread, per warp, per token) is quantized in the kernel's
-  prologue: no Q quantization pass; per-block groups (sage1), smoothed Q
-  (sage2-4b) and FP32 inputs keep the pass, as the default tiling does."""
+WARP16 = dict(num_warps=8)  # 16-row warps: SageAttention2's sm90 Q groups
+
+
+@pytest.mark.parametrize("config,dtype,rows", [
+    (PRESETS["sage2-8b"].replace(**WARP16), jnp.bfloat16, 2),
+    (PRESETS["sage2-8b"].replace(qk_granularity="per_warp", **WARP16),
+     jnp.bfloat16, 16),
+    (PRESETS["sage2-8b"].replace(qk_granularity="per_token"), jnp.float16,
+     1),
+    (PRESETS["sage2-8b"], jnp.bfloat16, None),  # 32-row warps span two
+    (PRESETS["sage2-8b"].replace(**WARP16), jnp.float32, None),
+    (PRESETS["sage1"], jnp.bfloat16, None),  # per-block groups
+    (PRESETS["sage2-4b"].replace(**WARP16), jnp.bfloat16, None),  # smooth_q
+])
+def test_q_is_quantized_in_the_kernel_where_its_groups_allow(config, dtype,
+                                                             rows):
+  """With ``MosaicTiling(quantize_q=True)``, 16-bit Q whose groups lie in
+  one 16-row wgmma warp is quantized in the kernel's prologue (no Q pass);
+  other configs, and the default tiling, keep the Pallas pass."""
   q, k, v = _data(1, 300, 200, 4, 2, 128, dtype=dtype)
-  config = mosaic.hopper_config(PRESETS[preset])
-  assert (mosaic.quantize_q_in_kernel(_inputs.parse(q, k, v), config)
-          is not None) == in_kernel
-  for tiling, expect in ((MosaicTiling(quantize_q=True), in_kernel),
+  quantize_q = mosaic.quantize_q_in_kernel(_inputs.parse(q, k, v), config)
+  assert (None if quantize_q is None else quantize_q.rows_per_group) == rows
+  for tiling, expect in ((MosaicTiling(quantize_q=True), rows is not None),
                          (MosaicTiling(), False)):
     def f(q, k, v, tiling=tiling):
       call = _inputs.parse(q, k, v, is_causal=True)
-      prepared = mosaic.BACKEND.prepare(call, PRESETS[preset], tiling)
-      return mosaic.BACKEND.kernel(prepared, call, PRESETS[preset], tiling)
+      prepared = mosaic.BACKEND.prepare(call, config, tiling)
+      return mosaic.BACKEND.kernel(prepared, call, config, tiling)
 
     text = jax.jit(f).trace(q, k, v).lower(
         lowering_platforms=("cuda",)).as_text()
     assert ("sage_quantize_q" in text) != expect
-
-
-def test_hopper_config_groups_are_a_threads_rows():
-  """On Hopper a warp owns 16 query rows: per-thread Q groups are rows r
-  and r + 8 of each 16 (as SageAttention2's sm90 kernel), per-warp ones 16
-  rows; per-block groups are unchanged."""
-  config = mosaic.hopper_config(PRESETS["sage2-8b"])
-  assert config.num_warps == config.block_q // 16
-  ids = quant.token_groups(128, "q", config)
-  rows = np.arange(128)
-  np.testing.assert_array_equal(ids, rows // 16 * 8 + rows % 8)
-  warp = mosaic.hopper_config(PRESETS["sage2-8b"].replace(
-      qk_granularity="per_warp"))
-  np.testing.assert_array_equal(quant.token_groups(128, "q", warp),
-                                rows // 16)
-  assert mosaic.hopper_config(PRESETS["sage1"]) == PRESETS["sage1"]
 
 
 @pytest.mark.parametrize("tiling", ["overlap_qk", "generic_softmax"])
@@ -361,10 +354,9 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
 def test_gpu_kernel_quantizing_q_matches_xla_arithmetic(granularity, layout):
   """Q quantized in the kernel's prologue (bf16 Q read in place, rows past
   the query length zeroed, one NaN row) == quant.py's quantization with the
-  Hopper groups, then the "xla" arithmetic; the LSE includes the row shift
-  of K smoothing."""
-  config = mosaic.hopper_config(PRESETS["sage2-8b"].replace(
-      qk_granularity=granularity))
+  same groups (16-row warps), then the "xla" arithmetic; the LSE includes
+  the row shift of K smoothing."""
+  config = PRESETS["sage2-8b"].replace(qk_granularity=granularity, **WARP16)
   b, t, s, n, kh, h = 2, 384, 640, 4, 2, 128
   q, k, v = _data(b, t, s, n, kh, h, kind="qkv_channel_bias", layout=layout)
   q = q.at[(1, 100, 3, 5) if layout == "BTNH" else (1, 3, 100, 5)].set(

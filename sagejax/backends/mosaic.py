@@ -4,10 +4,10 @@ The attention kernel (:mod:`sagejax.kernels.mosaic_attention`) runs INT8
 Q·Kᵀ and FP8 P·V on Hopper's ``wgmma`` tensor cores with TMA loads and
 warp-specialised, ping-ponged consumer warpgroups. Inputs are quantized by
 the Pallas quantization kernels of the ``"pallas"`` backend, with V stored
-transposed and in the kernel's key order, and Q's per-thread/per-warp groups
-in the Hopper geometry (:func:`hopper_config`); with
-``MosaicTiling(quantize_q=True)`` the kernel quantizes Q itself
-(:func:`quantize_q_in_kernel`; measured slower, off by default).
+transposed and in the kernel's key order; with
+``MosaicTiling(quantize_q=True)`` the kernel quantizes Q itself where the
+config's groups allow (:func:`quantize_q_in_kernel`; measured slower, off
+by default).
 
 Calls it does not serve (``unsupported`` says why, and ``implementation=None``
 then picks the ``"pallas"`` backend): user ``mask``/``bias`` arrays, head dims
@@ -69,26 +69,15 @@ def default_backward_tiling(head_dim: int, fused_dq: bool = False
   return MosaicBackwardTiling()
 
 
-def hopper_config(config: SageConfig) -> SageConfig:
-  """The config as the Hopper kernel runs it: a warp of the ``wgmma``
-  layout owns 16 query rows, so per-thread Q groups are a thread's rows
-  ``r`` and ``r + 8`` of 16 and per-warp groups 16 rows (SageAttention2's
-  sm90 kernel quantizes with the same geometry); ``num_warps`` is then
-  ``block_q // 16``. Other granularities, and ``block_q`` above 128, are
-  unchanged."""
-  warps = config.block_q // 16
-  if (config.qk_granularity in ("per_thread", "per_warp")
-      and config.block_q % 16 == 0 and warps in (1, 2, 4, 8)):
-    return config.replace(num_warps=warps)
-  return config
-
-
 def quantize_q_in_kernel(call: ParsedCall, config: SageConfig
                          ) -> Optional[QuantizeQ]:
   """How the attention kernel quantizes Q itself (:class:`QuantizeQ`), or
-  None where a Pallas pass must: smoothed Q (its block means and ΔS),
-  per-block groups (they span warpgroups), and inputs that are not 16-bit.
-  ``config`` is the :func:`hopper_config`."""
+  None where a Pallas pass must. The kernel makes groups that lie inside
+  one ``wgmma`` warp of 16 rows: per token, or per thread / per warp with
+  ``config.block_q // config.num_warps == 16`` (e.g. ``num_warps=8`` with
+  ``block_q=128``, SageAttention2's sm90 geometry; the presets' 32-row
+  warps span two). Smoothed Q (block means and ΔS), per-block groups and
+  inputs that are not 16-bit need the pass."""
   if config.smooth_q or jnp.dtype(call.q.dtype).itemsize != 2:
     return None
   rows = {"per_token": 1}
@@ -146,12 +135,10 @@ class _MosaicBackend:
   def prepare(self, call: ParsedCall, config: SageConfig,
               tiling: Optional[MosaicTiling] = None) -> Prepared:
     """Quantizes K, V (and Q, unless the kernel does:
-    :func:`quantize_q_in_kernel`) for the kernel, with the
-    :func:`hopper_config`'s groups (INT4 unpacked to INT8 values: Hopper
-    has no 4-bit tensor cores)."""
+    :func:`quantize_q_in_kernel`) for the kernel (INT4 unpacked to INT8
+    values: Hopper has no 4-bit tensor cores)."""
     _, _, _, h, _, _ = call.dims
     hp = max(64, next_pow2(h))
-    config = hopper_config(config)
     tiling = tiling or default_tiling(hp, config)
     fp8 = config.pv_dtype == "fp8_e4m3"
     prepared = quantize_inputs(
@@ -175,7 +162,6 @@ class _MosaicBackend:
     ``profile_dir``: see :func:`attention_forward`."""
     b, n, t, h, _, _ = call.dims
     qkv = prepared.qkv
-    config = hopper_config(config)
     tiling = tiling or default_tiling(qkv.k.shape[-1], config)
     if prepared.q_raw is None:  # quantized by a pass (or by the caller)
       q, q_layout, quantize_q = qkv.q, "BNTH", None
