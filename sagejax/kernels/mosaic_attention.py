@@ -141,7 +141,8 @@ class QuantizeQ:
   nearest even) by the largest finite magnitude of their group, as
   :func:`sagejax.quant.quantize_groups` does with groups that live inside one
   warp of the wgmma layout (a warp owns 16 rows; thread ``4r + c`` rows ``r``
-  and ``r + 8``).
+  and ``r + 8``). It multiplies by the scale's reciprocal where quant.py
+  divides: a value on a rounding tie may land one step away.
 
   Attributes:
     qmax: 127 (INT8) or 7 (INT4 values, kept in int8: Hopper has no 4-bit
