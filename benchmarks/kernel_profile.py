@@ -70,9 +70,11 @@ def region_clocks(trace_path: str) -> dict:
 
 def profile_case(shape, tiling_spec: str, key, cfg) -> dict:
   b, n, s, h, causal = shape
-  config = PRESETS["sage2-8b"]
-  tiling = (mosaic_check.parse_tiling(tiling_spec) if tiling_spec
-            else mosaic.default_tiling(h, config))  # the backend's choice
+  if tiling_spec:
+    tiling, config = mosaic_check.parse_variant(tiling_spec)
+  else:  # the backend's choice
+    config = PRESETS["sage2-8b"]
+    tiling = mosaic.default_tiling(h, config)
   q, k, v = testing.make_qkv(key, b, s, s, n, n, h, "normal", jnp.bfloat16,
                              "BTNH")
   call = _inputs.parse(q, k, v, is_causal=causal)

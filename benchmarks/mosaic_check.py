@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sagejax
-from sagejax import PRESETS, _inputs, testing
+from sagejax import PRESETS, SageConfig, _inputs, testing
 from sagejax.backends import mosaic, registry
 from sagejax.bench import timing
 from sagejax.kernels.mosaic_attention import MosaicTiling
@@ -73,13 +73,19 @@ def time_case(shape, variants, key, cfg):
   return results
 
 
-def parse_tiling(spec: str) -> MosaicTiling:
-  """``"bkv=64,stages=3,regs=240/24,sched=0,expturn=1,overlap=1,rs=0,qk=0"``
-  → a MosaicTiling."""
-  kw = {}
+def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
+  """``"bkv=64,stages=3,regs=240/24,sched=0,expturn=1,overlap=1,rs=0,qk=1"``
+  → (MosaicTiling, sage2-8b config); the config fields ``warps=N``
+  (``num_warps``: 8 gives the 16-row Q groups ``qk=1`` needs) and
+  ``fp32acc`` (``pv_accumulation="fp32"``) may be among them."""
+  kw, config = {}, PRESETS["sage2-8b"]
   for item in filter(None, spec.split(",")):
-    name, value = item.split("=")
-    if name == "bkv":
+    name, _, value = item.partition("=")
+    if name == "fp32acc":
+      config = config.replace(pv_accumulation="fp32")
+    elif name == "warps":
+      config = config.replace(num_warps=int(value))
+    elif name == "bkv":
       kw["block_kv"] = int(value)
     elif name == "stages":
       kw["num_stages"] = int(value)
@@ -97,8 +103,8 @@ def parse_tiling(spec: str) -> MosaicTiling:
     elif name == "qk":  # Q quantized in the kernel (1) or by a pass (0)
       kw["quantize_q"] = bool(int(value))
     else:
-      raise ValueError(f"unknown tiling field {name!r}")
-  return MosaicTiling(**kw)
+      raise ValueError(f"unknown variant field {name!r}")
+  return MosaicTiling(**kw), config
 
 
 KERNEL_VARIANTS: list[str] = []  # --kernel-variants: extra tilings to time
@@ -117,12 +123,7 @@ def variants_for(h, quick):
         q, k, v, is_causal=causal, implementation="cudnn"))
     return f, None
 
-  def kernel_only(tiling=None, preset="sage2-8b", warps=None):
-    cfg = (PRESETS["sage2-8b"].replace(pv_accumulation="fp32")
-           if preset == "sage2-8b-fp32acc" else PRESETS[preset])
-    if warps:
-      cfg = cfg.replace(num_warps=warps)
-
+  def kernel_only(tiling=None, cfg=PRESETS["sage2-8b"]):
     def make(causal):
       parse = lambda q, k, v: _inputs.parse(q, k, v, is_causal=causal)
       backend = registry()[IMPL]
@@ -139,15 +140,12 @@ def variants_for(h, quick):
       return fn, prepare
     return make
 
-  def e2e_tiling(tiling, warps=None):
+  def e2e_tiling(tiling, cfg):
     """End to end (quantization included) with a tiling: prepare + kernel
     in one jit."""
     def make(causal):
       backend = registry()[IMPL]
       extra = () if IMPL == "xla" else (tiling,)
-      cfg = PRESETS["sage2-8b"]
-      if warps:
-        cfg = cfg.replace(num_warps=warps)
 
       def f(q, k, v):
         call = _inputs.parse(q, k, v, is_causal=causal)
@@ -159,21 +157,15 @@ def variants_for(h, quick):
   out = [("cudnn", cudnn), ("mosaic e2e", e2e(IMPL)),
          ("mosaic kernel", kernel_only())]
   for v in KERNEL_VARIANTS:
-    # "warps=8" is the config's num_warps (16-row Q groups: what qk=1 needs)
-    items = v.replace("fp32acc", "").split(",")
-    warps = [int(x[6:]) for x in items if x.startswith("warps=")]
-    warps = warps[0] if warps else None
-    tiling = parse_tiling(",".join(x for x in items
-                                   if not x.startswith("warps=")))
-    out.append((f"kernel {v}", kernel_only(
-        tiling, "sage2-8b-fp32acc" if "fp32acc" in v else "sage2-8b",
-        warps)))
+    tiling, cfg = parse_variant(v)
+    out.append((f"kernel {v}", kernel_only(tiling, cfg)))
     if "fp32acc" not in v:
-      out.append((f"e2e {v}", e2e_tiling(tiling, warps)))
+      out.append((f"e2e {v}", e2e_tiling(tiling, cfg)))
   if KERNEL_VARIANTS:
     return out
   if not quick:
-    out += [("kernel fp32-acc", kernel_only(preset="sage2-8b-fp32acc")),
+    out += [("kernel fp32-acc", kernel_only(
+        cfg=PRESETS["sage2-8b"].replace(pv_accumulation="fp32"))),
             ("kernel stages=3", kernel_only(MosaicTiling(num_stages=3))),
             ("mosaic sage1 e2e", e2e("mosaic", "sage1")),
             ("pallas e2e", e2e("pallas"))]
