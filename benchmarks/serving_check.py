@@ -53,6 +53,7 @@ from sagejax.serving import attention as serving_attention
 from sagejax.serving import cache as cache_lib
 
 N, K, H = 32, 8, 128
+MOSAIC_PAGES = (32, 64, 128)
 DEADLINE_S = float(os.environ.get("SAGEJAX_BUDGET_S", 6.3 * 60))
 TIMING = TimingConfig(repeats=5, target_s=0.05, min_calls=10, max_calls=100)
 
@@ -407,6 +408,17 @@ def decode_variants(b, s, pools, tilings, smoke):
             for ps in (16, 64)}
   q_bytes = b * N * H * 2
   out = {}
+  for ps in MOSAIC_PAGES:   # the Mosaic decode (Hopper), its own tables
+    table = jnp.asarray(np.random.RandomState(ps).permutation(
+        pages16 * 16 // ps).reshape(b, s // ps).astype(np.int32))
+    tiling = tilings.get(("mosaic", ps))
+    def fm(q, pools, ps=ps, tiling=tiling, table=table):
+      return serving.decode_attention(q, _cache(pools, True, ps), table,
+                                      lengths, implementation="mosaic",
+                                      tiling=tiling)
+    if not smoke:
+      out[f"sage mosaic int8/fp8 p{ps}"] = (fm, b * s * K * (2 * H + 8)
+                                            + q_bytes)
   for quantized, ps in ((True, 16), (True, 64), (False, 16)):
     if True:
       kind = "int8/fp8" if quantized else "bf16"
@@ -490,6 +502,47 @@ def decode_tiling_sweep(run: Run):
   return {key: tiling for key, (_, tiling) in best.items()}
 
 
+def mosaic_tiling_sweep(run: Run):
+  """The Mosaic decode's ring depth and split count (default: the deepest
+  ring that fits, splits by :func:`mosaic_decode.choose_splits`) at three
+  shapes; returns the best tiling per page size (at 32 x 16k)."""
+  from sagejax.kernels.mosaic_decode import DecodeTiling, default_tiling
+  rows, best = [], {}
+  for b, s in ((32, 16384), (8, 32768), (32, 4096)):
+    pools = run.guard("pools", random_pages, jax.random.key(b + s),
+                      b * s // 16, 16, True, 0)
+    if pools is None:
+      continue
+    qs = [jax.random.normal(jax.random.key(i), (b, N, H), jnp.bfloat16)
+          for i in range(2)]
+    lengths = jnp.full((b,), s, jnp.int32)
+    for ps in (64, 128):
+      table = jnp.asarray(np.random.RandomState(ps).permutation(
+          b * s // ps).reshape(b, s // ps).astype(np.int32))
+      deep = default_tiling(ps, H).num_stages
+      cands = [DecodeTiling(num_stages=st, num_splits=sp)
+               for st in sorted({4, deep}) for sp in (None, 1, 2, 4)]
+      for tiling in cands:
+        if run.late():
+          break
+        def f(q, pools, ps=ps, tiling=tiling, table=table):
+          return serving.decode_attention(
+              q, _cache(pools, True, ps), table, lengths,
+              implementation="mosaic", tiling=tiling)
+        t = run.guard(f"mosaic {tiling}", seconds, f,
+                      *[(q, pools) for q in qs])
+        rows.append(dict(batch=b, tokens=s, ps=ps, tiling=str(tiling),
+                         us=None if t is None else t * 1e6))
+        print(f"  mosaic decode {b}x{s} p{ps} {tiling}: "
+              f"{'-' if t is None else f'{t * 1e6:.1f} us'}")
+        if b == 32 and s == 16384 and t is not None and t < best.get(
+            ps, (1e9, None))[0]:
+          best[ps] = (t, tiling)
+    del pools
+  run.data["mosaic_tiling"] = rows
+  return {("mosaic", ps): tiling for ps, (_, tiling) in best.items()}
+
+
 def decode_sweep(run: Run, copy_bw: float, tilings):
   if run.smoke:
     configs = [(2, 512)]
@@ -530,6 +583,14 @@ def decode_sweep(run: Run, copy_bw: float, tilings):
       row["int8_copy_fraction"] = row["tb_s"]["sage int8/fp8 p16"] / copy_bw
     if us.get("sage bf16 p16") and cudnn:
       row["bf16_vs_cudnn"] = cudnn / us["sage bf16 p16"]
+    mosaic = {k: v for k, v in us.items() if k.startswith("sage mosaic")}
+    if mosaic:
+      name = min(mosaic, key=mosaic.get)
+      row["mosaic_best"] = name
+      row["mosaic_vs_cudnn"] = cudnn / mosaic[name] if cudnn else None
+      row["mosaic_vs_jax_bf16"] = (us["jax paged bf16 p16 (best)"]
+                                   / mosaic[name] if jax_bf16 else None)
+      row["mosaic_copy_fraction"] = row["tb_s"][name] / copy_bw
     del pools
     run.record("decode", rows, row, f"  decode B={b} S={s}: " + ", ".join(
         f"{k} {v:.1f}us" for k, v in us.items()))
@@ -647,7 +708,9 @@ def report(run: Run):
     print(f"\ncopy bandwidth {d['copy']['tb_s']:.2f} TB/s")
   print("\n== decode (GQA 32/8, H=128, bf16 q; µs, TB/s of cache bytes "
         "read) ==")
-  cols = ["sage int8/fp8 p16", "sage int8/fp8 p64", "sage bf16 p16",
+  cols = ["sage mosaic int8/fp8 p32", "sage mosaic int8/fp8 p64",
+          "sage mosaic int8/fp8 p128",
+          "sage int8/fp8 p16", "sage int8/fp8 p64", "sage bf16 p16",
           "jax paged bf16 p16 (best)", "jax paged int8 p16",
           "cudnn dense bf16"]
   print("| B x tokens | " + " | ".join(cols) +
@@ -667,6 +730,21 @@ def report(run: Run):
           f" | {fmt(r.get('int8_vs_cudnn'))} | {fmt(r.get('int8_vs_jax_bf16'))}"
           f" | {fmt(r.get('int8_copy_fraction'), True)} | "
           f"{fmt(r.get('bf16_vs_cudnn'))} |")
+  print("\nMosaic decode, best page size per row: x cuDNN (>=1.7), x JAX "
+        "paged bf16 (>=3), % of copy bandwidth (>=75):")
+  for r in d.get("decode", []):
+    if r.get("mosaic_best"):
+      fmt = lambda x, pct=False: "-" if x is None else (  # noqa: E731
+          f"{100 * x:.0f}%" if pct else f"{x:.2f}x")
+      print(f"  {r['batch']} x {r['tokens'] // 1024}k: {r['mosaic_best']} "
+            f"{fmt(r.get('mosaic_vs_cudnn'))} {fmt(r.get('mosaic_vs_jax_bf16'))}"
+            f" {fmt(r.get('mosaic_copy_fraction'), True)}")
+  if d.get("mosaic_tiling"):
+    print("\n== Mosaic decode tiling (µs) ==")
+    for r in d["mosaic_tiling"]:
+      us = "-" if r["us"] is None else f"{r['us']:.1f}"
+      print(f"  {r['batch']} x {r['tokens'] // 1024}k p{r['ps']} "
+            f"{r['tiling']}: {us}")
   print("\n== extend (4096-token chunk on a cached prefix, B=2; TOPS of the "
         "causal work) ==")
   for r in d.get("extend", []):
@@ -693,6 +771,9 @@ def main():
                       "default tilings (no checks, no tiling sweep)")
   parser.add_argument("--extend-only", action="store_true",
                       help="the extend sweep only")
+  parser.add_argument("--mosaic-sweep", action="store_true",
+                      help="with --decode-only: the Mosaic decode's ring "
+                      "depth and split count first")
   parser.add_argument("--cache-error", action="store_true",
                       help="only the cache quantization error table (CPU)")
   args = parser.parse_args()
@@ -711,7 +792,11 @@ def main():
   if args.decode_only:
     run.data["quick"] = True
     copy_bw = run.guard("copy", copy_bandwidth, run) or float("nan")
-    run.guard("decode", decode_sweep, run, copy_bw, {})
+    tilings = {}
+    if args.mosaic_sweep:
+      tilings = run.guard("mosaic tiling", mosaic_tiling_sweep, run) or {}
+      run.save()
+    run.guard("decode", decode_sweep, run, copy_bw, tilings)
     run.save()
     report(run)
     return

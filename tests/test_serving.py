@@ -558,7 +558,7 @@ def test_mosaic_extend_inputs(monkeypatch, next_key, pv, layout):
   from sagejax.serving import mosaic_paged
   monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
   monkeypatch.setattr(attention_lib, "_mosaic_unsupported",
-                      lambda cache, math, decode, interpret:
+                      lambda cache, math, decode, interpret, groups:
                       mosaic_paged.unsupported(cache, math))
   monkeypatch.setattr(mosaic_paged, "attention_forward",
                       _emulated_mosaic_forward)
@@ -612,7 +612,8 @@ def test_mosaic_extend_selection(monkeypatch, next_key):
                                       num_kv_heads=1, head_dim=64,
                                       quantized=False)
   math = PagedMath(sm_scale=0.125)
-  pick = functools.partial(attention_lib._select, None, False, None)
+  pick = functools.partial(attention_lib._select, None, False,
+                           jnp.ones((1, 1, 4, 64)))
   t = attention_lib.MOSAIC_MIN_QUERY_TOKENS
   assert pick(quant_cache, math, False, t, None) == "mosaic"
   assert pick(quant_cache, math, False, t - 1, None) == "pallas"
@@ -670,6 +671,96 @@ def test_mosaic_extend_lowers_for_cuda(monkeypatch, pv, h):
         q, c, t, l, **kw, **extra)).trace(q, cache, table, lens).lower(
             lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_mosaic_decode_selection_and_errors(monkeypatch):
+  """Decode on Hopper takes the Mosaic kernel for a quantized cache with
+  pages of 32-128 tokens (its default P̃ is FP8); other calls keep Triton,
+  and a Mosaic decode asked for by name says why it cannot run."""
+  from sagejax.kernels.mosaic_attention import MosaicTiling
+  from sagejax.kernels.mosaic_decode import DecodeTiling
+  from sagejax.serving import attention as attention_lib
+  monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
+  monkeypatch.setattr(attention_lib, "_pallas_available", lambda: True)
+  make = functools.partial(serving.PagedKVCache.create, num_pages=8,
+                           num_kv_heads=2, head_dim=64)
+  cache64, cache16 = make(page_size=64), make(page_size=16)
+  plain = make(page_size=64, quantized=False)
+  math = PagedMath(sm_scale=0.125, pv_dtype="fp8_e4m3")
+  q = jnp.ones((1, 1, 8, 64))
+  pick = functools.partial(attention_lib._select, None, False, q)
+  assert pick(cache64, math, True, 1, None) == "mosaic"
+  assert pick(cache64, math, True, 1, DecodeTiling()) == "mosaic"
+  for cache, m, tiling in (
+      (cache16, math, None), (plain, math, None),
+      (cache64, dataclasses.replace(math, pv_dtype="fp16"), None),
+      (cache64, dataclasses.replace(math, soft_cap=5.0), None),
+      (cache64, math, serving.PagedTiling())):
+    assert pick(cache, m, True, 1, tiling) == "pallas"
+  assert attention_lib._select(None, False, jnp.ones((1, 1, 130, 64)),
+                               cache64, math, True, 1, None) == "pallas"
+  # config=None means FP8 P̃ on the Mosaic kernels (MOSAIC_EXTEND_CONFIG).
+  picked = []
+  monkeypatch.setattr(attention_lib, "_paged",
+                      lambda *a, implementation, tiling, math, **k:
+                      picked.append((implementation, type(tiling), math))
+                      or jnp.zeros((1, 1, 8, 64)))
+  table, lens = jnp.zeros((1, 4), jnp.int32), jnp.full((1,), 60, jnp.int32)
+  serving.decode_attention(q[:, 0], cache64, table, lens)
+  [(impl, tiling_type, used)] = picked
+  assert (impl, tiling_type) == ("mosaic", DecodeTiling)
+  assert used.pv_dtype == "fp8_e4m3" and used.block_k == 64
+  for cache, kwargs, match in (
+      (cache16, dict(implementation="mosaic"), "page size 16"),
+      (cache64, dict(implementation="mosaic", config=serving.SERVING_CONFIG),
+       "pv_dtype"),
+      (cache64, dict(tiling=MosaicTiling()), "DecodeTiling"),
+      (cache64, dict(implementation="pallas", tiling=DecodeTiling()),
+       "implementation='mosaic'")):
+    with pytest.raises(ValueError, match=match):
+      serving.decode_attention(q[:, 0], cache, table, lens, **kwargs)
+  with pytest.raises(ValueError, match="MosaicTiling"):
+    serving.extend_attention(q, cache64, table, lens, tiling=DecodeTiling())
+  monkeypatch.setattr(attention_lib, "is_hopper", lambda: False)
+  with pytest.raises(ValueError, match="sm90"):
+    serving.decode_attention(q[:, 0], cache64, table, lens,
+                             implementation="mosaic")
+
+
+def test_mosaic_decode_tiling_and_splits():
+  from sagejax.kernels import mosaic_decode
+  for bad in (dict(num_stages=5), dict(num_stages=0), dict(num_splits=0),
+              dict(consumer_registers=248)):
+    with pytest.raises(ValueError, match="DecodeTiling"):
+      mosaic_decode.DecodeTiling(**bad)
+  # One wave of CTAs where the pairs fill the GPU, more splits where not.
+  assert mosaic_decode.choose_splits(256, 64, 132) == 1
+  assert mosaic_decode.choose_splits(64, 512, 132) == 2
+  assert mosaic_decode.choose_splits(2, 512, 132) == 64
+  assert mosaic_decode.choose_splits(8, 3, 132) == 1
+  for ps in mosaic_decode.PAGE_SIZES:
+    for h in mosaic_decode.HEAD_DIMS:
+      assert mosaic_decode.default_tiling(ps, h).num_stages >= 4
+
+
+@pytest.mark.parametrize("ps,h,g,window", [(32, 64, 4, None),
+                                           (64, 128, 4, None),
+                                           (128, 128, 1, 300),
+                                           (64, 64, 8, 100)])
+def test_mosaic_decode_lowers_for_cuda(monkeypatch, ps, h, g, window):
+  """The Mosaic decode kernel lowers for CUDA on the CPU (layouts, wgmma
+  operands, the shared-memory budget of its default ring)."""
+  from sagejax.serving import attention as attention_lib
+  monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
+  cache = serving.PagedKVCache.create(num_pages=40, page_size=ps,
+                                      num_kv_heads=2, head_dim=h)
+  table = jnp.zeros((4, 10), jnp.int32)
+  lens = jnp.full((4,), 150, jnp.int32)
+  q = jnp.zeros((4, 2 * g, h), jnp.bfloat16)
+  lowered = jax.jit(lambda q, c, t, l: serving.decode_attention(
+      q, c, t, l, local_window_size=window, implementation="mosaic")).trace(
+          q, cache, table, lens).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
 
 
 # ----------------------------------------------------------------------------
@@ -764,3 +855,55 @@ def test_non_finite_inputs_show_as_in_exact_attention(next_key, quantized):
         jnp.asarray(q[:, 0]), cache, table, lens, implementation=impl,
         interpret=interpret))
     np.testing.assert_array_equal(~np.isfinite(out), want)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("h,ps,g,window,splits", [
+    (128, 64, 4, None, None), (128, 64, 4, None, 1), (128, 32, 8, None, None),
+    (64, 128, 4, 700, None), (128, 128, 1, 300, 1)])
+def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, splits):
+  """The Mosaic decode, compiled, device memory poisoned first: lengths
+  4100, 1000, 65, 64, 63, 17 and 1 (partly filled last pages, a shared
+  prefix), GQA g/2, channel-bias data, NaN in the stale slots past each
+  sequence's last token; against the ``"xla"`` reference (same FP8 P̃) and
+  dense attention over the cache's dequantized tokens. A page id outside
+  the pool gives NaN for its sequence only."""
+  from sagejax.kernels.mosaic_decode import DecodeTiling
+  lens = [4100, 1000, 65, 64, 63, 17, 1]
+  sc = _scenario(next_key(), lens, [1] * len(lens), kh=2, g=g, h=h, ps=ps)
+  q = sc["q"][:, 0].astype(jnp.bfloat16)
+  k_deq, v_deq = _dequantized(sc)
+  ones = jnp.ones(len(lens), jnp.int32)
+  seen = _dense(q[:, None], k_deq, v_deq, ones, sc["kv_len"], window)[:, 0]
+  cache = sc["cache"]
+  table = np.asarray(sc["table"])
+  for b, n in enumerate(lens):   # stale entries of each last page
+    if n % ps:
+      page = table[b, n // ps]
+      cache = dataclasses.replace(
+          cache,
+          v_pages=cache.v_pages.at[:, page, :, n % ps:].set(jnp.nan),
+          v_scales=cache.v_scales.at[:, page, n % ps:].set(jnp.nan),
+          k_scales=cache.k_scales.at[:, page, n % ps:].set(jnp.nan))
+  config = serving.SERVING_CONFIG.replace(pv_dtype="fp8_e4m3")
+  tiling = None if splits is None else DecodeTiling(num_splits=splits)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(impl, table):
+    return serving.decode_attention(
+        q, cache, table, sc["kv_len"], local_window_size=window,
+        config=config, implementation=impl,
+        tiling=tiling if impl == "mosaic" else None)
+
+  jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()  # poison
+  got = run("mosaic", sc["table"])
+  want = run("xla", sc["table"])
+  out = np.asarray(got, np.float32)
+  assert got.dtype == jnp.bfloat16 and got.shape == q.shape
+  assert np.all(np.isfinite(out))
+  assert _rel(got, want) < 1e-2
+  assert _rel(got, seen) < 0.03
+  bad = np.asarray(run("mosaic", sc["table"].at[2, 0].set(10**6)), np.float32)
+  assert np.all(np.isnan(bad[2]))
+  np.testing.assert_array_equal(np.delete(bad, 2, 0), np.delete(out, 2, 0))

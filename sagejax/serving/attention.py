@@ -23,9 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sagejax.backends._device import is_hopper
+from sagejax.backends._device import is_hopper, sm_count
 from sagejax.config import ConfigLike, SageConfig, resolve_config
 from sagejax.kernels.mosaic_attention import MosaicTiling
+from sagejax.kernels import mosaic_decode
+from sagejax.kernels.mosaic_decode import DecodeTiling
 from sagejax.serving import mosaic_paged, reference, triton_paged
 from sagejax.serving.cache import (
     PagedKVCache,
@@ -62,11 +64,7 @@ def _target_programs() -> int:
   """Programs the automatic split count aims at: four per SM (H100/H200: 132
   SMs; the device's own count when it reports one). Measured on an H100
   (B=8 × 32k decode): 8-16 splits ran in 0.81x the time of 5."""
-  try:
-    sms = int(getattr(jax.devices()[0], "core_count", 0) or 0)
-  except (RuntimeError, TypeError, ValueError):
-    sms = 0
-  return 4 * (sms if sms > 1 else 132)
+  return 4 * sm_count()
 
 
 def default_tiling(page_size: int, groups: int, decode: bool,
@@ -130,28 +128,37 @@ def _pallas_available() -> bool:
   return pallas_triton.BACKEND.available()
 
 
-def _mosaic_unsupported(cache, math, decode: bool, interpret: bool
-                        ) -> Optional[str]:
-  if decode:
-    return ("decode (one query token) runs the Triton kernel: the Mosaic "
-            "kernel's 128-row tiles are for extend")
+def _mosaic_unsupported(cache, math, decode: bool, interpret: bool,
+                        groups: int) -> Optional[str]:
   if interpret:
     return "Mosaic GPU kernels have no interpreter"
+  if decode:
+    return mosaic_paged.decode_unsupported(cache, math, groups)
   return mosaic_paged.unsupported(cache, math)
 
 
 def _select(implementation: Optional[str], interpret: bool, q, cache, math,
-            decode: bool, tokens: int, tiling) -> str:
+            decode: bool, tokens: int, tiling, mosaic_math=None) -> str:
   """The implementation that runs the call (``tokens``: query tokens per
-  sequence); raises when the one named cannot."""
+  sequence; ``mosaic_math``: the arithmetic the Mosaic kernels would run,
+  default ``math``); raises when the one named cannot."""
   if implementation not in (None,) + IMPLEMENTATIONS:
     raise ValueError(f"Unknown implementation {implementation!r}: pass one of "
                      f"{IMPLEMENTATIONS} or None (pick automatically).")
-  mosaic_reason = _mosaic_unsupported(cache, math, decode, interpret)
-  if implementation == "mosaic" or isinstance(tiling, MosaicTiling):
+  mosaic_reason = _mosaic_unsupported(
+      cache, mosaic_math or math, decode, interpret,
+      q.shape[-2] // cache.num_kv_heads)
+  mosaic_tiling = DecodeTiling if decode else MosaicTiling
+  if isinstance(tiling, (MosaicTiling, DecodeTiling)) and not isinstance(
+      tiling, mosaic_tiling):
+    raise ValueError(f"a {type(tiling).__name__} is for the Mosaic "
+                     f"{'extend' if decode else 'decode'}; pass a "
+                     f"{mosaic_tiling.__name__} (or a PagedTiling) here.")
+  if implementation == "mosaic" or isinstance(tiling, mosaic_tiling):
     if implementation not in (None, "mosaic"):
-      raise ValueError(f"a MosaicTiling is for implementation='mosaic', not "
-                       f"{implementation!r}; pass a PagedTiling.")
+      raise ValueError(f"a {mosaic_tiling.__name__} is for "
+                       f"implementation='mosaic', not {implementation!r}; "
+                       "pass a PagedTiling.")
     if mosaic_reason is not None:
       raise ValueError(f"implementation='mosaic' cannot serve this call: "
                        f"{mosaic_reason}. Pass implementation='pallas' or "
@@ -162,7 +169,7 @@ def _select(implementation: Optional[str], interpret: bool, q, cache, math,
                        "implementation=None.")
     return "mosaic"
   if (implementation is None and tiling is None and mosaic_reason is None
-      and tokens >= MOSAIC_MIN_QUERY_TOKENS and is_hopper()):
+      and (decode or tokens >= MOSAIC_MIN_QUERY_TOKENS) and is_hopper()):
     return "mosaic"
   reason = _pallas_unsupported(q, cache, math)
   if implementation == "pallas":
@@ -253,13 +260,17 @@ def _num_splits(tiling: PagedTiling, programs: int, max_pages: int,
     "poison"))
 def _paged(q, cache, page_table, lengths, q_len, cu_seqlens, *,
            math: PagedMath, implementation: str,
-           tiling: PagedTiling | MosaicTiling,
+           tiling: PagedTiling | MosaicTiling | DecodeTiling,
            interpret: bool, t_cap: int, packed: bool, poison: bool = False):
   """Core: q ``[B, T, N, H]`` (padded) or ``[rows, N, H]`` (packed)."""
   b = lengths.shape[0]
   n, h = q.shape[-2:]
   kv_len = lengths.astype(jnp.int32)
   page_table = page_table.astype(jnp.int32)
+  if isinstance(tiling, DecodeTiling):   # the Mosaic decode, T = 1
+    return mosaic_paged.decode_attention(
+        q[:, 0], kv_len, cache, page_table, math, out_dtype=q.dtype,
+        tiling=tiling)[:, None]
   if packed:
     cu = cu_seqlens.astype(jnp.int32)
     q_start, q_len = cu[:-1], cu[1:] - cu[:-1]
@@ -429,10 +440,11 @@ def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
   default_config = config is None
   config = _resolve_config(config, cache)
   if tiling is not None and not isinstance(tiling, (PagedTiling,
-                                                    MosaicTiling)):
-    raise TypeError(f"tiling must be a PagedTiling (Triton kernel) or a "
-                    f"MosaicTiling (Mosaic extend), got "
-                    f"{type(tiling).__name__}.")
+                                                    MosaicTiling,
+                                                    DecodeTiling)):
+    raise TypeError(f"tiling must be a PagedTiling (Triton kernel), a "
+                    f"MosaicTiling (Mosaic extend) or a DecodeTiling (Mosaic "
+                    f"decode), got {type(tiling).__name__}.")
   sm_scale = 1.0 / _math.sqrt(cache.head_dim) if scale is None else float(
       scale)
   if logits_soft_cap is not None and not logits_soft_cap > 0:
@@ -445,15 +457,22 @@ def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
   # Query tokens per sequence: packed rows are averaged over the sequences
   # (max_q_len may bound a few long ones among many short).
   tokens = min(t_cap, -(-q.shape[0] // lengths.shape[0])) if packed else t_cap
+  # The Mosaic kernels' default P̃ is FP8 (MOSAIC_EXTEND_CONFIG).
+  mosaic_math = (dataclasses.replace(math,
+                                     pv_dtype=MOSAIC_EXTEND_CONFIG.pv_dtype)
+                 if default_config else math)
   impl = _select(implementation, interpret, q, cache, math, decode, tokens,
-                 tiling)
+                 tiling, mosaic_math)
   if impl == "mosaic":
-    if default_config:
-      math = dataclasses.replace(math,
-                                 pv_dtype=MOSAIC_EXTEND_CONFIG.pv_dtype)
-    tiling = tiling or mosaic_paged.default_tiling(cache.head_dim,
-                                                   math.pv_dtype)
-    block_k = mosaic_paged.normalization_block(page_table, cache)
+    math = mosaic_math
+    if decode:
+      tiling = tiling or mosaic_decode.default_tiling(cache.page_size,
+                                                      cache.head_dim)
+      block_k = cache.page_size
+    else:
+      tiling = tiling or mosaic_paged.default_tiling(cache.head_dim,
+                                                     math.pv_dtype)
+      block_k = mosaic_paged.normalization_block(page_table, cache)
   else:
     if tiling is None:
       tiling = default_tiling(cache.page_size,

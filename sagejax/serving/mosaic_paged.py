@@ -1,4 +1,16 @@
-"""Extend attention over a quantized paged cache on Hopper (Pallas Mosaic GPU).
+"""Extend and decode attention over a quantized paged cache on Hopper (Mosaic GPU).
+
+**Decode** (one query token per sequence) is bound by reading the cache: it
+runs :mod:`sagejax.kernels.mosaic_decode`, which copies whole INT8 K / FP8 Vᵀ
+pages straight from the pool with TMA (no gather), with the GQA group's
+query heads as the rows of one ``wgmma`` tile, INT8 Q·Kᵀ and FP8 P̃·V (P̃
+normalized per page by the page's largest V scale: ``PagedMath.block_k =
+page_size``). Queries are quantized per row before it; the partial outputs
+of its splits are merged by LSE after it. Pages of 32, 64 or 128 tokens,
+head dims 64 and 128, at most 64 query heads per KV head, no soft-cap
+(:func:`decode_unsupported`).
+
+**Extend**:
 
 Extend (prefix caching, chunked prefill) is a prefill: thousands of query
 rows per sequence, bound by the tensor cores, not by reading the cache. It
@@ -35,10 +47,14 @@ import jax.numpy as jnp
 from sagejax import quant
 from sagejax.backends import mosaic as mosaic_backend
 from sagejax.config import SageConfig
+from sagejax.backends._device import sm_count
+from sagejax.kernels import mosaic_decode
 from sagejax.kernels.mosaic_attention import (MosaicTiling, attention_forward,
                                               pv_key_order)
+from sagejax.kernels.mosaic_decode import DecodeTiling
 from sagejax.serving.cache import PagedKVCache
 from sagejax.serving.reference import PagedMath, bad_sequences, quantize_query
+from sagejax.serving.triton_paged import merge_splits
 
 HEAD_DIMS = (64, 128)
 
@@ -192,3 +208,90 @@ def extend_attention(q: jax.Array, q_len: jax.Array, kv_len: jax.Array,
   out = kernel(operands, math, out_dtype, tiling)[:, :q.shape[1]]
   return jnp.where(operands["bad"][:, None, None, None],
                    jnp.asarray(jnp.nan, out.dtype), out)
+
+
+# ----------------------------------------------------------------------------
+# Decode.
+# ----------------------------------------------------------------------------
+
+
+def decode_unsupported(cache: PagedKVCache, math: PagedMath, groups: int
+                       ) -> Optional[str]:
+  """Why the Mosaic decode cannot serve a call, or None."""
+  reason = unsupported(cache, math)
+  if reason is not None:
+    return reason
+  if not cache.v_transposed:
+    return ("the Mosaic decode reads transposed V pages (the layout "
+            "PagedKVCache.create makes), not a contiguous cache's")
+  if cache.page_size not in mosaic_decode.PAGE_SIZES:
+    return (f"page size {cache.page_size} (the Mosaic decode copies pages of "
+            f"{mosaic_decode.PAGE_SIZES} tokens)")
+  if math.pv_dtype != "fp8_e4m3":
+    return (f"pv_dtype {math.pv_dtype!r} (the Mosaic decode runs FP8 P̃ "
+            "against the FP8 V pages)")
+  if groups > mosaic_decode.ROWS:
+    return (f"{groups} query heads per KV head (the Mosaic decode takes at "
+            f"most {mosaic_decode.ROWS})")
+  if not math.sm_scale > 0:
+    return "the kernel needs a positive scale"
+  return None
+
+
+def decode_splits(batch: int, kv_heads: int, max_pages: int, page_size: int,
+                  window: Optional[int]) -> int:
+  """:func:`mosaic_decode.choose_splits` for this call's widest sequence
+  (a window bounds the pages a query reads)."""
+  pages = max_pages
+  if window is not None:
+    pages = min(pages, window // page_size + 2)
+  return mosaic_decode.choose_splits(batch * kv_heads, pages, sm_count())
+
+
+def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
+                     page_table: jax.Array, math: PagedMath, *, out_dtype,
+                     tiling: Optional[DecodeTiling] = None) -> jax.Array:
+  """One query token per sequence, the last of its ``kv_len[b]`` tokens.
+
+  Args:
+    q: ``[B, N, H]``.
+    kv_len: int32 ``[B]``.
+    cache, page_table: a quantized cache (transposed V pages) and int32
+      ``[B, max_pages]``.
+    math: the call's arithmetic; ``block_k`` must be the page size.
+    out_dtype: the output's dtype.
+    tiling: kernel tuning; default :func:`mosaic_decode.default_tiling`.
+
+  Returns:
+    ``[B, N, H]``; NaN for every head of a sequence
+    :func:`sagejax.serving.reference.bad_sequences` flags.
+  """
+  b, n, h = q.shape
+  kh, ps = cache.num_kv_heads, cache.page_size
+  groups = n // kh
+  reason = decode_unsupported(cache, math, groups)
+  if reason is not None:
+    raise ValueError(f"the Mosaic decode cannot serve this call: {reason}.")
+  if math.block_k != ps:
+    raise ValueError(f"PagedMath.block_k must be the page size ({ps}) for "
+                     f"the Mosaic decode, got {math.block_k}.")
+  tiling = tiling or mosaic_decode.default_tiling(ps, h)
+  ones = jnp.ones_like(kv_len)
+  bad = bad_sequences(page_table, kv_len, ones, ones, cache.num_pages, ps)
+  kv_len = jnp.where(bad, 0, kv_len).astype(jnp.int32)
+  q8, qs = quantize_query(q.reshape(b, kh, groups, h), math.sm_scale)
+  pad = mosaic_decode.ROWS - groups
+  q8 = jnp.pad(q8, ((0, 0), (0, 0), (0, pad), (0, 0)))
+  qs = jnp.pad(qs, ((0, 0), (0, 0), (0, pad)), constant_values=1.0)
+  splits = tiling.num_splits or decode_splits(b, kh, page_table.shape[1], ps,
+                                              math.window)
+  out, lse = mosaic_decode.decode_forward(
+      q8, qs, cache.k_pages, cache.k_scales, cache.v_pages, cache.v_scales,
+      page_table.astype(jnp.int32), kv_len, groups=groups,
+      window=math.window, num_splits=splits, tiling=tiling)
+  parts = out.shape[0]
+  merged = merge_splits(out.reshape(parts, b, n, h),
+                        lse[..., :groups].reshape(parts, b, n),
+                        cache.v_smooth, out_dtype)
+  return jnp.where(bad[:, None, None], jnp.asarray(jnp.nan, out_dtype),
+                   merged)
