@@ -503,11 +503,16 @@ def decode_tiling_sweep(run: Run):
 
 
 def mosaic_tiling_sweep(run: Run):
-  """The Mosaic decode's ring depth and split count (default: the deepest
-  ring that fits, splits by :func:`mosaic_decode.choose_splits`) at three
-  shapes; returns the best tiling per page size (at 32 x 16k)."""
-  from sagejax.kernels.mosaic_decode import DecodeTiling, default_tiling
+  """The Mosaic decode's consumer count, ring depth and splits (defaults:
+  2 consumers, :func:`mosaic_decode.default_stages`,
+  :func:`mosaic_decode.choose_splits`) at three shapes; returns the best
+  consumer count per page size (at 32 x 16k; splits stay automatic)."""
+  from sagejax.kernels.mosaic_decode import DecodeTiling
   rows, best = [], {}
+  cands = {64: [DecodeTiling(num_consumers=c) for c in (1, 2, 3, 4)]
+           + [DecodeTiling(num_stages=8), DecodeTiling(num_splits=2)],
+           32: [DecodeTiling(num_consumers=c) for c in (2, 4)],
+           128: [DecodeTiling(num_consumers=c) for c in (2, 4)]}
   for b, s in ((32, 16384), (8, 32768), (32, 4096)):
     pools = run.guard("pools", random_pages, jax.random.key(b + s),
                       b * s // 16, 16, True, 0)
@@ -516,13 +521,10 @@ def mosaic_tiling_sweep(run: Run):
     qs = [jax.random.normal(jax.random.key(i), (b, N, H), jnp.bfloat16)
           for i in range(2)]
     lengths = jnp.full((b,), s, jnp.int32)
-    for ps in (64, 128):
+    for ps, tilings in cands.items():
       table = jnp.asarray(np.random.RandomState(ps).permutation(
           b * s // ps).reshape(b, s // ps).astype(np.int32))
-      deep = default_tiling(ps, H).num_stages
-      cands = [DecodeTiling(num_stages=st, num_splits=sp)
-               for st in sorted({4, deep}) for sp in (None, 1, 2, 4)]
-      for tiling in cands:
+      for tiling in tilings:
         if run.late():
           break
         def f(q, pools, ps=ps, tiling=tiling, table=table):
@@ -535,8 +537,9 @@ def mosaic_tiling_sweep(run: Run):
                          us=None if t is None else t * 1e6))
         print(f"  mosaic decode {b}x{s} p{ps} {tiling}: "
               f"{'-' if t is None else f'{t * 1e6:.1f} us'}")
-        if b == 32 and s == 16384 and t is not None and t < best.get(
-            ps, (1e9, None))[0]:
+        if (b == 32 and s == 16384 and t is not None
+            and tiling.num_splits is None
+            and t < best.get(ps, (1e9, None))[0]):
           best[ps] = (t, tiling)
     del pools
   run.data["mosaic_tiling"] = rows

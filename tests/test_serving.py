@@ -730,7 +730,9 @@ def test_mosaic_decode_selection_and_errors(monkeypatch):
 def test_mosaic_decode_tiling_and_splits():
   from sagejax.kernels import mosaic_decode
   for bad in (dict(num_stages=5), dict(num_stages=0), dict(num_splits=0),
-              dict(consumer_registers=248)):
+              dict(consumer_registers=248),
+              dict(num_consumers=3, consumer_registers=160),
+              dict(num_consumers=5)):
     with pytest.raises(ValueError, match="DecodeTiling"):
       mosaic_decode.DecodeTiling(**bad)
   # One wave of CTAs where the pairs fill the GPU, more splits where not.
@@ -738,9 +740,17 @@ def test_mosaic_decode_tiling_and_splits():
   assert mosaic_decode.choose_splits(64, 512, 132) == 2
   assert mosaic_decode.choose_splits(2, 512, 132) == 64
   assert mosaic_decode.choose_splits(8, 3, 132) == 1
+  # The default ring fits shared memory, each consumer owning its slots,
+  # and keeps 4 steps in flight where they fit.
   for ps in mosaic_decode.PAGE_SIZES:
     for h in mosaic_decode.HEAD_DIMS:
-      assert mosaic_decode.default_tiling(ps, h).num_stages >= 4
+      for cons in (1, 2, 3, 4):
+        stages = mosaic_decode.default_stages(ps, h, 32, cons)
+        assert stages % cons == 0 and stages >= cons
+        assert stages >= 4 or mosaic_decode._smem_bytes(
+            ps, h, 32, cons, stages + cons) > (227 << 10)
+        assert mosaic_decode._smem_bytes(ps, h, 32, cons, stages) <= (
+            227 << 10)
 
 
 @pytest.mark.parametrize("ps,h,g,window", [(32, 64, 4, None),
@@ -859,16 +869,20 @@ def test_non_finite_inputs_show_as_in_exact_attention(next_key, quantized):
 
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("h,ps,g,window,splits", [
-    (128, 64, 4, None, None), (128, 64, 4, None, 1), (128, 32, 8, None, None),
-    (64, 128, 4, 700, None), (128, 128, 1, 300, 1)])
-def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, splits):
+@pytest.mark.parametrize("h,ps,g,window,tiling", [
+    (128, 64, 4, None, {}), (128, 64, 4, None, dict(num_splits=1)),
+    (128, 32, 8, None, dict(num_consumers=4)),
+    (64, 128, 4, 700, dict(num_consumers=3)),
+    (128, 128, 1, 300, dict(num_splits=1, num_consumers=1)),
+    (64, 64, 20, None, dict(num_splits=2))])
+def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   """The Mosaic decode, compiled, device memory poisoned first: lengths
   4100, 1000, 65, 64, 63, 17 and 1 (partly filled last pages, a shared
   prefix), GQA g/2, channel-bias data, NaN in the stale slots past each
-  sequence's last token; against the ``"xla"`` reference (same FP8 P̃) and
-  dense attention over the cache's dequantized tokens. A page id outside
-  the pool gives NaN for its sequence only."""
+  sequence's last token; against the ``"xla"`` reference (same FP8 P̃ and
+  normalization blocks) and dense attention over the cache's dequantized
+  tokens. A page id outside the pool gives NaN for its sequence only."""
+  from sagejax.kernels import mosaic_decode
   from sagejax.kernels.mosaic_decode import DecodeTiling
   lens = [4100, 1000, 65, 64, 63, 17, 1]
   sc = _scenario(next_key(), lens, [1] * len(lens), kh=2, g=g, h=h, ps=ps)
@@ -887,14 +901,15 @@ def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, splits):
           v_scales=cache.v_scales.at[:, page, n % ps:].set(jnp.nan),
           k_scales=cache.k_scales.at[:, page, n % ps:].set(jnp.nan))
   config = serving.SERVING_CONFIG.replace(pv_dtype="fp8_e4m3")
-  tiling = None if splits is None else DecodeTiling(num_splits=splits)
+  tiling = DecodeTiling(**tiling)
+  block = serving.PagedTiling(block_k=mosaic_decode.step_keys(ps))
 
   @functools.partial(jax.jit, static_argnums=0)
   def run(impl, table):
     return serving.decode_attention(
         q, cache, table, sc["kv_len"], local_window_size=window,
         config=config, implementation=impl,
-        tiling=tiling if impl == "mosaic" else None)
+        tiling=tiling if impl == "mosaic" else block)
 
   jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()  # poison
   got = run("mosaic", sc["table"])
@@ -907,3 +922,49 @@ def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, splits):
   bad = np.asarray(run("mosaic", sc["table"].at[2, 0].set(10**6)), np.float32)
   assert np.all(np.isnan(bad[2]))
   np.testing.assert_array_equal(np.delete(bad, 2, 0), np.delete(out, 2, 0))
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("keys,nq,ps", [(64, 8, 64), (64, 16, 32),
+                                        (128, 8, 128), (64, 32, 64)])
+def test_gpu_mosaic_decode_transposed_store(keys, nq, ps):
+  """The decode kernel's byte stores of P at the hardware swizzle: values
+  made in registers ([keys, NQ], WGMMA layout), stored transposed into
+  swizzled page tiles, copied out by TMA (which unswizzles) equal the
+  transpose (outputs poisoned first)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from sagejax import quant
+  from sagejax.kernels import mosaic_decode
+  from sagejax.kernels.mosaic_attention import wgmma_smem
+  pps = keys // ps
+
+  def pattern(k, g):
+    return ((k * 7 + g * 3) % 61).astype(jnp.float32) - 30.0
+
+  def body(out_ref, p_smem):
+    k = plgpu.broadcasted_iota(jnp.int32, (keys, nq), 0,
+                               layout=plgpu.Layout.WGMMA)
+    g = plgpu.broadcasted_iota(jnp.int32, (keys, nq), 1,
+                               layout=plgpu.Layout.WGMMA)
+    mosaic_decode._store_transposed(pattern(k, g).astype(quant.FP8_DTYPE),
+                                    p_smem, ps)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(p_smem, out_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  def kernel(out_ref):
+    pl.run_scoped(functools.partial(body, out_ref),
+                  wgmma_smem((pps, nq, ps), quant.FP8_DTYPE))
+
+  run = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((pps, nq, ps), quant.FP8_DTYPE))
+  jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()  # poison
+  got = np.asarray(jax.jit(run)().astype(jnp.float32))
+  k = np.arange(keys)[:, None]
+  g = np.arange(nq)[None, :]
+  want = np.asarray(pattern(jnp.asarray(k), jnp.asarray(g)).astype(
+      quant.FP8_DTYPE).astype(jnp.float32))             # [keys, NQ]
+  want = want.reshape(pps, ps, nq).transpose(0, 2, 1)
+  np.testing.assert_array_equal(got, want)

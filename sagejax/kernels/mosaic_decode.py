@@ -7,33 +7,34 @@ an H200 (load latency and instructions per key, benchmarks/NOTES.md); this
 kernel keeps whole pages in flight with TMA.
 
 A CTA owns one sequence's KV head and a contiguous slice of its pages
-(split-KV: ``num_splits`` CTAs share a sequence), and runs three warpgroups:
+(split-KV: ``num_splits`` CTAs share a sequence). A producer warpgroup reads
+page ids from the page table and copies each page's K ``[page_size, H]``
+(INT8), Vᵀ ``[H, page_size]`` (FP8: the cache's transposed V pages) and their
+per-token scales with TMA into a ``num_stages``-deep ring. ``num_consumers``
+consumer warpgroups take steps of ``max(64, page_size)`` keys in turn, each
+with its own online softmax. The products run with the *keys as rows*, so
+that the GQA group's few query heads (``NQ``, padded to a multiple of 8) are
+the small ``N`` of the ``wgmma``, not 64 padded rows:
 
-* a producer reads each page's id from the page table and copies the page's
-  K ``[page_size, H]`` (INT8), Vᵀ ``[H, page_size]`` (FP8, the cache's
-  transposed V pages) and their per-token scales with TMA into a
-  ``num_stages``-deep shared-memory ring;
-* two consumers take alternate pages, each with its own online softmax over
-  the rows of one 64-row ``wgmma`` tile: the GQA group's query heads (INT8,
-  quantized per row outside), padded with zero rows. Per page (``c``: the
-  largest V scale of its keys, the normalization block of
-  :class:`sagejax.serving.reference.PagedMath` with ``block_k = page_size``):
+    sᵀ = (k8 · q8ᵀ)_int32 · k_scale[key] · q_scale[head]    [keys, NQ] (s8)
+    m' = max(m, colmax sᵀ);  c = max v_scale over the step's keys
+    P  = fp8(448 · exp2(sᵀ − m') · v_scale[key] / c)          (∈ [0, 448])
+    oᵀ = oᵀ · 2^(m − m') · c_prev / c + vᵀ8 · P                [H, NQ] (e4m3)
 
-    s  = (q8 · k8ᵀ)_int32 · k_scale[key] · q_scale[row]        (wgmma s8)
-    m' = max(m, rowmax s);  p̃ = exp2(s − m')
-    P8 = fp8(448 · p̃ · v_scale[key] / c)                       (∈ [0, 448])
-    acc = acc · 2^(m − m') · c_prev / c + P8 · v8              (wgmma e4m3)
-
-  so that ``acc · c`` is the running (448-scaled) P·V; P8 goes through shared
-  memory, which puts it in the token order of the V pages. Each consumer
-  writes its normalized partial output and base-2 LSE; the partials of both
-  consumers and all splits are merged by LSE outside (as the Triton kernel's
-  splits are).
+so that ``oᵀ · c`` is the running (448-scaled) P·V; a step is the
+normalization block of :class:`sagejax.serving.reference.PagedMath`
+(``block_k =`` :func:`step_keys`). P is written to shared memory transposed
+(``[NQ, keys]``, the K-major B operand that 8-bit ``wgmma`` requires) by
+byte stores at the hardware swizzle (:func:`_store_transposed`); the
+maxima and sums over keys cross the warpgroup's warps through each
+consumer's own shared memory (:func:`_over_keys`). Each consumer writes its
+normalized partial output and base-2 LSE; the partials of all consumers and
+splits are merged by LSE outside (as the Triton kernel's splits are).
 
 Keys past the sequence's length (the stale slots of its last page) and
-before a local window are masked; the last page's stale V entries are zeroed
+before a local window are masked; the last step's stale V entries are zeroed
 in shared memory first (a stale NaN would otherwise reach the output through
-a zero P̃). Pages no key of which is visible are never read.
+a zero P). Pages no key of which is visible are never read.
 """
 
 from __future__ import annotations
@@ -44,22 +45,34 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sagejax import quant
 from sagejax.kernels._common import kv_block_range
-from sagejax.kernels.mosaic_attention import (_element, _mgpu, _quad_reduce,
-                                              _row_array, _tree,
-                                              check_registers, load_all,
-                                              row_sum, wgmma_smem)
+from sagejax.kernels.mosaic_attention import (_element, _mgpu, _tree,
+                                              load_all, wgmma_smem)
 from sagejax.masks import MaskSpec
 
-ROWS = 64  # one wgmma M tile: the GQA group's query heads, zero-padded
 PAGE_SIZES = (32, 64, 128)
 HEAD_DIMS = (64, 128)
+MAX_GROUPS = 32  # query heads per KV head (the wgmma N, padded to 8)
 _LOG2_P_SCALE = math.log2(quant.P_SCALE)
+_SMEM_BYTES = 227 << 10   # what one CTA may take on sm90
+
+
+def step_keys(page_size: int) -> int:
+  """Keys per consumer step: a whole number of pages, at least one 64-row
+  ``wgmma`` tile. With pages of 32 a step holds two, and the V scales'
+  normalization ``c`` spans both (``PagedMath.block_k = 64``)."""
+  return max(64, page_size)
+
+
+def padded_groups(groups: int) -> int:
+  """``NQ``: query heads per KV head rounded up to the ``wgmma`` N step."""
+  return -(-groups // 8) * 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,123 +80,271 @@ class DecodeTiling:
   """Tuning of the Mosaic decode kernel (not part of the math).
 
   Attributes:
-    num_stages: pages in flight per CTA (the shared-memory ring); even, so
-      that each consumer owns every other slot. None: at least 4 and 64 KiB
-      (:func:`default_stages`).
+    num_consumers: consumer warpgroups per CTA, taking steps in turn.
+    num_stages: steps in flight per CTA (the shared-memory ring), a multiple
+      of ``num_consumers`` so that each consumer owns its slots. None: at
+      least 4 steps and 64 KiB (:func:`default_stages`).
     num_splits: CTAs per (sequence, KV head), each taking a contiguous
       share of the pages; None: :func:`choose_splits`.
     consumer_registers, producer_registers: per-thread registers
-      (``setmaxnreg``) of the two consumer warpgroups and the producer.
+      (``setmaxnreg``); None: what the register file leaves the consumers
+      beside a producer of ``producer_registers``.
   """
 
+  num_consumers: int = 2
   num_stages: Optional[int] = None
   num_splits: Optional[int] = None
-  consumer_registers: int = 232
+  consumer_registers: Optional[int] = None
   producer_registers: int = 40
 
   def __post_init__(self):
+    if self.num_consumers not in (1, 2, 3, 4):
+      raise ValueError(f"DecodeTiling.num_consumers must be 1..4, got "
+                       f"{self.num_consumers}.")
     if self.num_stages is not None and (
-        self.num_stages % 2 or not 2 <= self.num_stages <= 16):
-      raise ValueError(f"DecodeTiling.num_stages must be even, in 2..16, got "
-                       f"{self.num_stages}.")
+        self.num_stages % self.num_consumers
+        or not self.num_consumers <= self.num_stages <= 16):
+      raise ValueError(
+          f"DecodeTiling.num_stages must be a multiple of num_consumers="
+          f"{self.num_consumers} in {self.num_consumers}..16, got "
+          f"{self.num_stages}.")
     if self.num_splits is not None and (not isinstance(self.num_splits, int)
                                         or self.num_splits < 1):
       raise ValueError(f"DecodeTiling.num_splits must be a positive int or "
                        f"None, got {self.num_splits!r}.")
-    check_registers("DecodeTiling", self.consumer_registers,
-                    self.producer_registers)
+    regs = (self.registers(), self.producer_registers)
+    if any(r % 8 or not 24 <= r <= 256 for r in regs) or (
+        self.num_consumers * regs[0] + regs[1] > self._budget()):
+      raise ValueError(
+          f"DecodeTiling: {self.num_consumers} consumers of {regs[0]} "
+          f"registers and a producer of {regs[1]} (multiples of 8 in "
+          f"24..256) must fit the {self._budget()} per thread the CTA's "
+          f"{self.num_consumers + 1} warpgroups start with, or setmaxnreg "
+          f"waits forever.")
+
+  def _budget(self) -> int:
+    """Registers per thread of all warpgroups together: each starts with
+    the register file's share per thread, rounded down to 8 (five
+    warpgroups: 96 each; a 4-consumer kernel asking 112 each hung on an
+    H200)."""
+    groups = self.num_consumers + 1
+    return groups * (65536 // (128 * groups) // 8 * 8)
+
+  def registers(self) -> int:
+    """The consumers' registers per thread."""
+    if self.consumer_registers is not None:
+      return self.consumer_registers
+    free = (self._budget() - self.producer_registers) // self.num_consumers
+    return min(232, free // 8 * 8)
 
 
-_SMEM_BYTES = 227 << 10   # what one CTA may take on sm90
+def _smem_bytes(page_size: int, head_dim: int, nq: int, consumers: int,
+                stages: int) -> int:
+  sk = step_keys(page_size)
+  fixed = (nq * head_dim + MAX_GROUPS * 4 + consumers * (
+      sk * nq + head_dim * nq * 4 + MAX_GROUPS * 4 + 48 * (nq + 8)) + 1024)
+  return fixed + stages * (2 * sk * head_dim + 8 * sk)
 
 
-def default_stages(page_size: int, head_dim: int) -> int:
-  """Ring depth: at least 4 pages and 64 KiB in flight (measured on an H200
-  with pages of 64: 4 and 8 stages within 2% of each other, 4 ahead at 4k
-  tokens), within the shared memory left beside Q, the P̃ tiles and the
-  partial outputs."""
-  fixed = ROWS * head_dim + 2 * ROWS * page_size + 2 * ROWS * head_dim * 4 + (
-      2 * ROWS * 4 + ROWS * 4 + 1024)
-  stage = 2 * page_size * head_dim + 8 * page_size
+def default_stages(page_size: int, head_dim: int, nq: int = 8,
+                   consumers: int = 2) -> int:
+  """Ring depth: at least 4 steps and 64 KiB in flight (on an H200 with
+  pages of 64, 4 and 8 stages ran within 2% of each other), a multiple of
+  ``consumers``, within shared memory."""
+  stage = 2 * step_keys(page_size) * head_dim + 8 * step_keys(page_size)
   want = max(4, -(-(64 << 10) // stage))
-  fits = (_SMEM_BYTES - fixed) // stage
-  return max(2, min(want + want % 2, fits - fits % 2))
+  stages = -(-want // consumers) * consumers
+  while stages > consumers and _smem_bytes(
+      page_size, head_dim, nq, consumers, stages) > _SMEM_BYTES:
+    stages -= consumers
+  return stages
 
 
-def default_tiling(page_size: int, head_dim: int) -> DecodeTiling:
-  """:class:`DecodeTiling` with the ring :func:`default_stages` picks."""
-  return DecodeTiling(num_stages=default_stages(page_size, head_dim))
-
-
-def choose_splits(pairs: int, pages: int, num_sms: int,
-                  overhead_pages: float = 4.0, max_splits: int = 64) -> int:
-  """CTAs per (sequence, KV head) for ``pairs`` of them with ``pages``
-  pages each on ``num_sms`` SMs (one CTA per SM at a time): the count that
-  minimizes waves × (pages per CTA + a fixed cost of about
-  ``overhead_pages`` pages: launch, Q, filling the ring)."""
+def choose_splits(pairs: int, steps: int, num_sms: int,
+                  overhead_steps: float = 4.0, max_splits: int = 64) -> int:
+  """CTAs per (sequence, KV head) for ``pairs`` of them with ``steps``
+  steps each on ``num_sms`` SMs (one CTA per SM at a time): the count that
+  minimizes waves × (steps per CTA + a fixed cost of about
+  ``overhead_steps`` steps: launch, Q, filling the ring)."""
   best, best_cost = 1, math.inf
-  for s in range(1, max(1, min(max_splits, pages // 2)) + 1):
+  for s in range(1, max(1, min(max_splits, steps // 2)) + 1):
     waves = -(-pairs * s // num_sms)
-    cost = waves * (pages / s + overhead_pages)
+    cost = waves * (steps / s + overhead_steps)
     if cost < best_cost - 1e-9:
       best, best_cost = s, cost
   return best
 
 
-def _col_max(x: jax.Array, rows: int) -> jax.Array:
-  """The maximum of a ``[N]`` column-layout (``WGMMA.reduce(0)``) vector,
-  as a ``[rows]`` row-layout vector of equal values (NaN propagates)."""
+def _store_transposed(p8: jax.Array, ref, page_size: int) -> None:
+  """``ref[k // page_size, g, k % page_size] = p8[k, g]`` for the FP8 ``p8
+  [keys, NQ]`` (WGMMA layout) and ``ref [keys / page_size, NQ, page_size]``,
+  each page a tile of ``page_size``-byte rows swizzled by as many bytes (the
+  ``wgmma`` B-operand layout of :func:`wgmma_smem`): one byte store per
+  element, at the address the hardware's swizzle gives (the 16-byte chunk
+  index XOR address bits 7 and up), so no transposing store is needed."""
+  keys, nq = p8.shape
+  chunk_mask = page_size // 16 - 1
+  page_shift = int(np.log2(page_size))
+
+  @plgpu.inline_mgpu(arg_types=(
+      plgpu.Layout.WGMMA,
+      plgpu.RefType((plgpu.TilingTransform((8, page_size)),
+                     plgpu.SwizzleTransform(page_size)))))
+  def store(_, p, smem):
+    mgpu, _, ir, arith, vector = _mgpu()
+    from jax._src.lib.mlir.dialects import llvm  # lowering-time only
+    i8 = ir.IntegerType.get_signless(8)
+    i64 = ir.IntegerType.get_signless(64)
+    c = lambda v: arith.constant(i64, v)  # noqa: E731
+    tid = arith.extui(i64, mgpu.utils.thread_idx())
+    lane = arith.andi(tid, c(31))
+    warp = arith.andi(arith.shrui(tid, c(5)), c(3))
+    row = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
+    col = arith.muli(arith.andi(lane, c(3)), c(2))
+    ptr = mgpu.utils.memref_ptr(smem)
+    base = llvm.ptrtoint(i64, ptr)
+    regs = p.registers.reshape(keys // 64, nq // 8, 2)
+    for tile, n8, half in np.ndindex(regs.shape):
+      reg = regs[tile, n8, half]
+      key = arith.addi(row, c(64 * tile + 8 * half))
+      page = arith.shrui(key, c(page_shift))
+      slot = arith.andi(key, c(page_size - 1))
+      for e in range(2):
+        g = arith.addi(col, c(8 * n8 + e))
+        offset = arith.addi(
+            arith.muli(page, c(nq * page_size)),
+            arith.addi(arith.muli(g, c(page_size)), slot))
+        addr = arith.addi(base, offset)
+        chunk = arith.shli(
+            arith.andi(arith.shrui(addr, c(7)), c(chunk_mask)), c(4))
+        value = vector.extract(reg, dynamic_position=[],
+                               static_position=ir.DenseI64ArrayAttr.get([e]))
+        llvm.store(arith.bitcast(i8, value),
+                   llvm.inttoptr(ptr.type, arith.xori(addr, chunk)))
+
+  store(p8, ref)
+
+
+def _over_keys(x: jax.Array, vs: Optional[jax.Array], scratch, op: str
+               ) -> tuple[jax.Array, ...]:
+  """Reductions over the keys (rows) of f32 ``x [keys, NQ]`` (WGMMA
+  layout), per column, and of the ``[keys]`` row-layout ``vs`` (or None), as
+  ``[NQ]`` column-layout vectors (``vs``'s result in every column).
+
+  Within each warp by shuffles; across the warpgroup's 4 warps through
+  ``scratch`` (f32 ``[4, NQ + 8]``, this consumer's own: Mosaic's reductions
+  share one scratch buffer among the CTA's warpgroups, which raced between
+  consumers on an H200) after one warpgroup barrier. A caller alternates
+  two buffers so that the next reduction's stores cannot overtake this
+  one's loads. ``op``: ``"max"`` (NaN propagates) or ``"add"``."""
+  keys, nq = x.shape
+  col = plgpu.Layout.WGMMA.reduce(0)
+  outs = 1 if vs is None else 2
+  arg_types = (plgpu.Layout.WGMMA,) + (
+      () if vs is None else (plgpu.Layout.WGMMA.reduce(1),)) + (
+          plgpu.RefType(),)
 
   @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA.reduce(0),),
-      return_type=plgpu.ShapeDtypeStruct((rows,), jnp.float32,
-                                         layout=plgpu.Layout.WGMMA.reduce(1)))
-  def reduce(_, x):
-    _, _, _, arith, _ = _mgpu()
-    v = _tree(arith.maximumf, list(x.registers.reshape(-1)))
-    v = _quad_reduce(arith.maximumf,
-                     arith.maximumf(_element(v, 0), _element(v, 1)))
-    return _row_array([v, v], rows)
+      arg_types=arg_types,
+      return_type=tuple(plgpu.ShapeDtypeStruct((nq,), jnp.float32,
+                                               layout=col)
+                        for _ in range(outs)))
+  def reduce(_, x, *rest):
+    mgpu, fa, ir, arith, _ = _mgpu()
+    from jax._src.lib.mlir.dialects import memref  # lowering-time only
+    f = arith.maximumf if op == "max" else arith.addf
+    index = ir.IndexType.get()
+    i32 = ir.IntegerType.get_signless(32)
+    c = lambda v: arith.constant(i32, v)  # noqa: E731
+    vs, smem = (None, rest[0]) if len(rest) == 1 else rest
+    regs = x.registers.reshape(keys // 64, nq // 8, 2)
+    groups = [_tree(f, [regs[t, n8, h] for t in range(keys // 64)
+                        for h in range(2)]) for n8 in range(nq // 8)]
+    scalar = None
+    if vs is not None:
+      scalar = _tree(f, [_element(v) for v in vs.registers.reshape(-1)])
+    for lanes in (4, 8, 16):   # lanes 4r + c of equal c: the warp's rows
+      groups = [f(g, mgpu.utils.shfl_bfly(g, lanes)) for g in groups]
+      if scalar is not None:
+        scalar = f(scalar, mgpu.utils.shfl_bfly(scalar, lanes))
+    tid = mgpu.utils.thread_idx()
+    warp = arith.andi(arith.shrui(tid, c(5)), c(3))
+    col0 = arith.muli(arith.andi(tid, c(3)), c(2))
+    at = lambda *ix: [arith.index_cast(index, i) for i in ix]  # noqa: E731
+    for n8, g in enumerate(groups):   # every lane of a quad column stores
+      for e in range(2):
+        memref.store(_element(g, e), smem,
+                     at(warp, arith.addi(col0, c(8 * n8 + e))))
+    if scalar is not None:
+      memref.store(scalar, smem, at(warp, c(nq)))
+    mgpu.utils.warpgroup_barrier()
+    layout = fa.WGMMA_LAYOUT.reduce((0,))
+    results = []
+    for which in range(outs):
+      out = np.empty(layout.registers_shape((nq,)), dtype=object)
+      for n8 in range(nq // 8):
+        vals = []
+        for e in range(2):
+          column = (c(nq) if which else
+                    arith.addi(col0, c(8 * n8 + e)))
+          vals.append(_tree(f, [memref.load(smem, at(c(w), column))
+                                for w in range(4)]))
+        out.reshape(-1)[n8] = _vector(vals)
+      results.append(mgpu.FragmentedArray(_registers=out, _layout=layout,
+                                          _is_signed=None))
+    return tuple(results)
 
-  return reduce(x)
+  return reduce(x, *(() if vs is None else (vs,)), scratch)
+
+
+def _vector(values):
+  """A vector of scalars (lowering-time)."""
+  _, _, ir, _, vector = _mgpu()
+  return vector.from_elements(
+      ir.VectorType.get((len(values),), values[0].type), values)
 
 
 def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
                    k_scales: jax.Array, v_pages: jax.Array,
                    v_scales: jax.Array, page_table: jax.Array,
-                   kv_len: jax.Array, *, groups: int,
-                   window: Optional[int] = None, num_splits: int = 1,
+                   kv_len: jax.Array, *, window: Optional[int] = None,
+                   num_splits: int = 1,
                    tiling: DecodeTiling = DecodeTiling()
                    ) -> tuple[jax.Array, jax.Array]:
   """Runs the decode kernel.
 
   Args:
-    q: int8 ``[B, K, 64, H]``: row g < ``groups`` is query head ``k·groups +
-      g``, quantized per row; the other rows zeros.
-    q_scale: f32 ``[B, K, 64]`` (with ``sm_scale·log2 e``); 1 on padding.
+    q: int8 ``[B, K, NQ, H]``: row g is query head ``k·G + g`` (quantized
+      per row) for g < G, zeros after; NQ a multiple of 8, at most
+      :data:`MAX_GROUPS`.
+    q_scale: f32 ``[B, K, MAX_GROUPS]`` (with ``sm_scale·log2 e``); 1 on
+      padding (a TMA copy moves at least 128 bytes).
     k_pages: int8 ``[K, P, page_size, H]``; ``k_scales``, ``v_scales``: f32
       ``[K, P, page_size]``; ``v_pages``: float8_e4m3fn ``[K, P, H,
       page_size]``.
     page_table: int32 ``[B, max_pages]`` (ids are clipped into the pool).
     kv_len: int32 ``[B]`` cached tokens; the query is the last of them.
-    groups: query heads per KV head (at most 64).
     window: the query sees keys ``[kv_len − 1 − window, kv_len − 1]``; None:
       all.
     num_splits: CTAs per (sequence, KV head).
 
   Returns:
-    ``(out, lse)``: f32 ``[2·num_splits, B, K, groups, H]`` partial outputs,
-    each normalized by its own sum, and their base-2 LSEs f32
-    ``[2·num_splits, B, K, 64]`` (−inf where a partial saw no key; rows past
-    ``groups`` are padding). Partial ``2·split + consumer``.
+    ``(out, lse)``: f32 ``[parts, B, K, H, NQ]`` partial outputs (transposed),
+    each normalized by its own sum, and their base-2 LSEs f32 ``[parts, B,
+    K, MAX_GROUPS]`` (−inf where a partial saw no key; entries past NQ
+    undefined), ``parts = num_splits · num_consumers`` (partial
+    ``consumers · split + consumer``).
   """
-  b, kh, rows, h = q.shape
+  b, kh, nq, h = q.shape
   _, num_pages, ps, _ = k_pages.shape
   max_pages = page_table.shape[1]
-  stages = tiling.num_stages or default_stages(ps, h)
-  if rows != ROWS or not 1 <= groups <= ROWS:
-    raise ValueError(f"q must be [B, K, {ROWS}, H] holding 1..{ROWS} query "
-                     f"heads per KV head, got {q.shape} with {groups}.")
+  sk = step_keys(ps)
+  pps = sk // ps               # pages per step
+  cons = tiling.num_consumers
+  stages = tiling.num_stages or default_stages(ps, h, nq, cons)
+  if nq % 8 or not 8 <= nq <= MAX_GROUPS:
+    raise ValueError(f"q must be [B, K, NQ, H] with NQ a multiple of 8 up to "
+                     f"{MAX_GROUPS}, got {q.shape}.")
   if ps not in PAGE_SIZES or h not in HEAD_DIMS:
     raise ValueError(f"page_size {ps} / head dim {h}: the kernel takes "
                      f"pages of {PAGE_SIZES} tokens and head dims "
@@ -195,123 +356,134 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
   spec = MaskSpec(is_causal=True, causal_alignment="bottom_right",
                   window=None if window is None else (int(window), 0),
                   q_len=1, kv_len=0)
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  num_blocks = -(-max_pages // pps)
+  key_layout = plgpu.Layout.WGMMA.reduce(1)    # [keys]: one per row
+  head_layout = plgpu.Layout.WGMMA.reduce(0)   # [NQ]: one per column
 
   def kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, pt_ref, kl_ref,
              out_ref, lse_ref, scratch):
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, p_smem, o_smem,
-     lse_smem) = scratch[0]
+     lse_smem, x_smem) = scratch[0]
     q_bar, full, free = scratch[1:]
     split = lax.axis_index("splits")
     head = lax.axis_index("heads")
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
     length = kl_ref[batch]
-    blo, flo, fhi, bhi = kv_block_range(spec, 0, 0, 1, length, ps, max_pages)
+    blo, flo, fhi, bhi = kv_block_range(spec, 0, 0, 1, length, sk,
+                                        num_blocks)
     chunk = lax.div(bhi - blo + num_splits - 1, jnp.int32(num_splits))
     s_lo = jnp.minimum(blo + split * chunk, bhi)
     s_hi = jnp.minimum(s_lo + chunk, bhi)
     flo = jnp.clip(flo, s_lo, s_hi)
     fhi = jnp.clip(fhi, flo, s_hi)
 
-    @pl.when(wg < 2)
+    @pl.when(wg < cons)
     def _consumer():
-      plgpu.set_max_registers(tiling.consumer_registers, action="increase")
-      first = s_lo + wg   # this consumer's pages: first, first + 2, ...
+      plgpu.set_max_registers(tiling.registers(), action="increase")
+      first = s_lo + wg   # this consumer's steps: first, first + cons, ...
 
-      def index(page):    # of this consumer's first page at or after page
-        return lax.div(jnp.maximum(page - first + 1, 0), jnp.int32(2))
+      def index(block):   # of this consumer's first step at or after block
+        return lax.div(jnp.maximum(block - first + cons - 1, 0),
+                       jnp.int32(cons))
 
       plgpu.barrier_wait(q_bar)
-      qs = load_all(qs_smem, row_layout)
-      qs_b = lax.broadcast_in_dim(qs, (ROWS, ps), [0])
+      qs = load_all(qs_smem.at[pl.ds(0, nq)], head_layout)
 
       def step(i, carry, masked: bool):
-        acc, m, l, c_prev = carry
-        j = first + 2 * i
+        acc, m, l_acc, c_prev = carry
+        j = first + cons * i
         slot = lax.rem(j - s_lo, jnp.int32(stages))
         plgpu.barrier_wait(full.at[slot])
 
         def qk(s_ref):
-          plgpu.wgmma(s_ref, q_smem,
-                      plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          plgpu.wgmma(s_ref, k_smem.at[slot],
+                      plgpu.transpose_ref(q_smem, (1, 0)))
           return s_ref[...]
 
-        s = pl.run_scoped(qk, plgpu.ACC((ROWS, ps), jnp.int32))
-        ks = load_all(ks_smem.at[slot], col_layout)
-        vs = load_all(vs_smem.at[slot], col_layout)
-        t = s.astype(jnp.float32) * lax.broadcast_in_dim(ks, (ROWS, ps), [1])
+        s = pl.run_scoped(qk, plgpu.ACC((sk, nq), jnp.int32))
+        ks = load_all(ks_smem.at[slot], key_layout)
+        vs = load_all(vs_smem.at[slot], key_layout)
+        t = s.astype(jnp.float32) * lax.broadcast_in_dim(ks, (sk, nq), [0])
         if masked:
-          keys = j * ps + plgpu.broadcasted_iota(jnp.int32, (ps,), 0,
-                                                 layout=col_layout)
+          keys = j * sk + plgpu.broadcasted_iota(jnp.int32, (sk,), 0,
+                                                 layout=key_layout)
           seen = spec.visible_at(jnp.int32(0), keys, jnp.int32(1), length)
-          t = jnp.where(lax.broadcast_in_dim(seen, (ROWS, ps), [1]), t,
+          t = jnp.where(lax.broadcast_in_dim(seen, (sk, nq), [0]), t,
                         -jnp.inf)
           vs = jnp.where(keys < length, vs, 0.0)   # stale slots: no scale
 
-          @pl.when((j + 1) * ps > length)
+          @pl.when((j + 1) * sk > length)
           def _zero_stale_values():
             # 8-bit values admit only bitwise operations: AND with a mask.
-            tile = v_smem.at[slot]
-            vt = lax.bitcast_convert_type(
-                load_all(tile, plgpu.Layout.WGMMA), jnp.int8)
-            key = j * ps + plgpu.broadcasted_iota(jnp.int32, (h, ps), 1,
-                                                  layout=plgpu.Layout.WGMMA)
-            keep = jnp.where(key < length, -1, 0).astype(jnp.int8)
-            tile[...] = lax.bitcast_convert_type(vt & keep, quant.FP8_DTYPE)
+            for page in range(pps):
+              tile = v_smem.at[slot, page]
+              vt = lax.bitcast_convert_type(
+                  load_all(tile, plgpu.Layout.WGMMA), jnp.int8)
+              key = j * sk + page * ps + plgpu.broadcasted_iota(
+                  jnp.int32, (h, ps), 1, layout=plgpu.Layout.WGMMA)
+              keep = jnp.where(key < length, -1, 0).astype(jnp.int8)
+              tile[...] = lax.bitcast_convert_type(vt & keep,
+                                                   quant.FP8_DTYPE)
             plgpu.commit_smem()
 
-        m_new = jnp.maximum(m, qs * t.max(axis=1))
+        t_max, c = _over_keys(t, vs, x_smem.at[wg, lax.rem(i, 2)], "max")
+        m_new = jnp.maximum(m, qs * t_max)
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_use)
-        c = _col_max(vs, ROWS)
         c = jnp.where(c > 0, c, 1.0)
         # p = 448 · p̃ / c: the normalization by c rides in the exponent.
         shift = m_use - _LOG2_P_SCALE + jnp.log2(c)
-        p = jnp.exp2(t * qs_b - lax.broadcast_in_dim(shift, (ROWS, ps), [0]))
-        l = l * alpha + row_sum(p) * c
-        p = p * lax.broadcast_in_dim(vs, (ROWS, ps), [1])
-        p_smem.at[wg][...] = p.astype(quant.FP8_DTYPE)
+        p = jnp.exp2(t * lax.broadcast_in_dim(qs, (sk, nq), [1])
+                     - lax.broadcast_in_dim(shift, (sk, nq), [1]))
+        l_acc = (l_acc * lax.broadcast_in_dim(alpha, (sk, nq), [1])
+                 + p * lax.broadcast_in_dim(c, (sk, nq), [1]))
+        p = p * lax.broadcast_in_dim(vs, (sk, nq), [0])
+        _store_transposed(p.astype(quant.FP8_DTYPE), p_smem.at[wg], ps)
         plgpu.commit_smem()
 
         def pv(pv_ref):
-          plgpu.wgmma(pv_ref, p_smem.at[wg],
-                      plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+          for page in range(pps):
+            plgpu.wgmma(pv_ref, v_smem.at[slot, page],
+                        plgpu.transpose_ref(p_smem.at[wg, page], (1, 0)))
 
         block = pl.run_state(pv)(plgpu.ACC.init(
-            plgpu.layout_cast(jnp.zeros((ROWS, h), jnp.float32),
+            plgpu.layout_cast(jnp.zeros((h, nq), jnp.float32),
                               plgpu.Layout.WGMMA)))
         plgpu.barrier_arrive(free.at[slot])
-        factor = lax.broadcast_in_dim(alpha * c_prev / c, (ROWS, h), [0])
-        return acc * factor + block, m_new, l, c
+        factor = lax.broadcast_in_dim(alpha * c_prev / c, (h, nq), [1])
+        return acc * factor + block, m_new, l_acc, c
 
-      carry = (plgpu.layout_cast(jnp.zeros((ROWS, h), jnp.float32),
+      def heads(x):
+        return plgpu.layout_cast(jnp.full((nq,), x, jnp.float32),
+                                 head_layout)
+
+      carry = (plgpu.layout_cast(jnp.zeros((h, nq), jnp.float32),
                                  plgpu.Layout.WGMMA),
-               plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                                 row_layout),
-               plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout),
-               plgpu.layout_cast(jnp.ones((ROWS,), jnp.float32), row_layout))
+               heads(-jnp.inf),
+               plgpu.layout_cast(jnp.zeros((sk, nq), jnp.float32),
+                                 plgpu.Layout.WGMMA),
+               heads(1.0))
       bounds = (index(s_lo), index(flo), index(fhi), index(s_hi))
       masked = lambda i, c: step(i, c, masked=True)  # noqa: E731
       carry = lax.fori_loop(bounds[0], bounds[1], masked, carry)
       carry = lax.fori_loop(bounds[1], bounds[2],
                             lambda i, c: step(i, c, masked=False), carry)
-      acc, m, l, c = lax.fori_loop(bounds[2], bounds[3], masked, carry)
+      acc, m, l_acc, c = lax.fori_loop(bounds[2], bounds[3], masked, carry)
 
+      [l] = _over_keys(l_acc, None, x_smem.at[wg, 2], "add")
       seen = l != 0   # a NaN sum is seen (quant's rules)
       scale = jnp.where(seen, c / jnp.where(seen, l, 1.0), 0.0)
-      o_smem.at[wg][...] = acc * lax.broadcast_in_dim(scale, (ROWS, h), [0])
+      o_smem.at[wg][...] = acc * lax.broadcast_in_dim(scale, (h, nq), [1])
       lse = m + jnp.log2(jnp.where(seen, l, 1.0)) - _LOG2_P_SCALE
-      lse_smem.at[wg][...] = jnp.where(seen, lse, -jnp.inf)
+      lse_smem.at[wg, pl.ds(0, nq)][...] = jnp.where(seen, lse, -jnp.inf)
       plgpu.commit_smem()
-      part = 2 * split + wg
-      plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, groups)],
-                              out_ref.at[part, batch, head])
+      part = cons * split + wg
+      plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[part, batch, head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[part, batch, head])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
+    @pl.when(wg == cons)
     def _producer():
       plgpu.set_max_registers(tiling.producer_registers, action="decrease")
       plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_bar)
@@ -320,45 +492,54 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
       @pl.loop(0, s_hi - s_lo)
       def _(r):
         slot = lax.rem(r, jnp.int32(stages))
-        page = jnp.clip(pt_ref[batch, s_lo + r], 0, num_pages - 1)
 
         @pl.when(r >= stages)
         def _():
           plgpu.barrier_wait(free.at[slot])
 
         bar = full.at[slot]
-        plgpu.copy_gmem_to_smem(k_ref.at[head, page], k_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(ks_ref.at[head, page], ks_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[head, page], v_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(vs_ref.at[head, page], vs_smem.at[slot], bar)
+        for i in range(pps):
+          entry = jnp.minimum((s_lo + r) * pps + i, max_pages - 1)
+          page = jnp.clip(pt_ref[batch, entry], 0, num_pages - 1)
+          rows = pl.ds(i * ps, ps)
+          plgpu.copy_gmem_to_smem(k_ref.at[head, page],
+                                  k_smem.at[slot, rows], bar)
+          plgpu.copy_gmem_to_smem(ks_ref.at[head, page],
+                                  ks_smem.at[slot, rows], bar)
+          plgpu.copy_gmem_to_smem(v_ref.at[head, page], v_smem.at[slot, i],
+                                  bar)
+          plgpu.copy_gmem_to_smem(vs_ref.at[head, page],
+                                  vs_smem.at[slot, rows], bar)
 
   def entry(*refs):
     smem = (
-        wgmma_smem((ROWS, h), jnp.int8),
-        plgpu.SMEM((ROWS,), jnp.float32),
-        wgmma_smem((stages, ps, h), jnp.int8),
-        plgpu.SMEM((stages, ps), jnp.float32),
-        wgmma_smem((stages, h, ps), quant.FP8_DTYPE),
-        plgpu.SMEM((stages, ps), jnp.float32),
-        wgmma_smem((2, ROWS, ps), quant.FP8_DTYPE),
-        plgpu.SMEM((2, ROWS, h), jnp.float32),
-        plgpu.SMEM((2, ROWS), jnp.float32),
+        wgmma_smem((nq, h), jnp.int8),
+        plgpu.SMEM((MAX_GROUPS,), jnp.float32),
+        wgmma_smem((stages, sk, h), jnp.int8),
+        plgpu.SMEM((stages, sk), jnp.float32),
+        wgmma_smem((stages, pps, h, ps), quant.FP8_DTYPE),
+        plgpu.SMEM((stages, sk), jnp.float32),
+        wgmma_smem((cons, pps, nq, ps), quant.FP8_DTYPE),
+        plgpu.SMEM((cons, h, nq), jnp.float32),
+        plgpu.SMEM((cons, MAX_GROUPS), jnp.float32),
+        plgpu.SMEM((cons, 3, 4, nq + 8), jnp.float32),   # _over_keys
     )
     pl.run_scoped(
         lambda *scratch: kernel(*refs, scratch), smem,
         plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=4 * pps, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         collective_axes="wg")
 
-  parts = 2 * num_splits
+  parts = cons * num_splits
   return plgpu.kernel(
       entry,
-      out_type=(jax.ShapeDtypeStruct((parts, b, kh, groups, h), jnp.float32),
-                jax.ShapeDtypeStruct((parts, b, kh, ROWS), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((parts, b, kh, h, nq), jnp.float32),
+                jax.ShapeDtypeStruct((parts, b, kh, MAX_GROUPS),
+                                     jnp.float32)),
       grid=(num_splits, kh, b),
       grid_names=("splits", "heads", "batch"),
-      num_threads=3,
+      num_threads=cons + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, q_scale, k_pages, k_scales, v_pages, v_scales, page_table, kv_len)

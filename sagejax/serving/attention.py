@@ -466,9 +466,8 @@ def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
   if impl == "mosaic":
     math = mosaic_math
     if decode:
-      tiling = tiling or mosaic_decode.default_tiling(cache.page_size,
-                                                      cache.head_dim)
-      block_k = cache.page_size
+      tiling = tiling or DecodeTiling()
+      block_k = mosaic_decode.step_keys(cache.page_size)
     else:
       tiling = tiling or mosaic_paged.default_tiling(cache.head_dim,
                                                      math.pv_dtype)

@@ -2,13 +2,14 @@
 
 **Decode** (one query token per sequence) is bound by reading the cache: it
 runs :mod:`sagejax.kernels.mosaic_decode`, which copies whole INT8 K / FP8 Vᵀ
-pages straight from the pool with TMA (no gather), with the GQA group's
-query heads as the rows of one ``wgmma`` tile, INT8 Q·Kᵀ and FP8 P̃·V (P̃
-normalized per page by the page's largest V scale: ``PagedMath.block_k =
-page_size``). Queries are quantized per row before it; the partial outputs
-of its splits are merged by LSE after it. Pages of 32, 64 or 128 tokens,
-head dims 64 and 128, at most 64 query heads per KV head, no soft-cap
-(:func:`decode_unsupported`).
+pages straight from the pool with TMA (no gather) and runs INT8 Q·Kᵀ and FP8
+P̃·V with the keys as the rows of its ``wgmma`` tiles and the GQA group's
+query heads as their columns (P̃ normalized per step of
+:func:`~sagejax.kernels.mosaic_decode.step_keys` keys by their largest V
+scale: ``PagedMath.block_k``). Queries are quantized per row before it; the
+partial outputs of its consumers and splits are merged by LSE after it.
+Pages of 32, 64 or 128 tokens, head dims 64 and 128, at most 32 query heads
+per KV head, no soft-cap (:func:`decode_unsupported`).
 
 **Extend**:
 
@@ -230,9 +231,9 @@ def decode_unsupported(cache: PagedKVCache, math: PagedMath, groups: int
   if math.pv_dtype != "fp8_e4m3":
     return (f"pv_dtype {math.pv_dtype!r} (the Mosaic decode runs FP8 P̃ "
             "against the FP8 V pages)")
-  if groups > mosaic_decode.ROWS:
+  if groups > mosaic_decode.MAX_GROUPS:
     return (f"{groups} query heads per KV head (the Mosaic decode takes at "
-            f"most {mosaic_decode.ROWS})")
+            f"most {mosaic_decode.MAX_GROUPS})")
   if not math.sm_scale > 0:
     return "the kernel needs a positive scale"
   return None
@@ -241,11 +242,12 @@ def decode_unsupported(cache: PagedKVCache, math: PagedMath, groups: int
 def decode_splits(batch: int, kv_heads: int, max_pages: int, page_size: int,
                   window: Optional[int]) -> int:
   """:func:`mosaic_decode.choose_splits` for this call's widest sequence
-  (a window bounds the pages a query reads)."""
-  pages = max_pages
+  (a window bounds the keys a query reads)."""
+  sk = mosaic_decode.step_keys(page_size)
+  steps = -(-max_pages * page_size // sk)
   if window is not None:
-    pages = min(pages, window // page_size + 2)
-  return mosaic_decode.choose_splits(batch * kv_heads, pages, sm_count())
+    steps = min(steps, window // sk + 2)
+  return mosaic_decode.choose_splits(batch * kv_heads, steps, sm_count())
 
 
 def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
@@ -258,9 +260,10 @@ def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
     kv_len: int32 ``[B]``.
     cache, page_table: a quantized cache (transposed V pages) and int32
       ``[B, max_pages]``.
-    math: the call's arithmetic; ``block_k`` must be the page size.
+    math: the call's arithmetic; ``block_k`` must be
+      :func:`mosaic_decode.step_keys` of the page size.
     out_dtype: the output's dtype.
-    tiling: kernel tuning; default :func:`mosaic_decode.default_tiling`.
+    tiling: kernel tuning (default :class:`DecodeTiling`).
 
   Returns:
     ``[B, N, H]``; NaN for every head of a sequence
@@ -272,26 +275,28 @@ def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
   reason = decode_unsupported(cache, math, groups)
   if reason is not None:
     raise ValueError(f"the Mosaic decode cannot serve this call: {reason}.")
-  if math.block_k != ps:
-    raise ValueError(f"PagedMath.block_k must be the page size ({ps}) for "
+  if math.block_k != mosaic_decode.step_keys(ps):
+    raise ValueError(f"PagedMath.block_k must be "
+                     f"{mosaic_decode.step_keys(ps)} (the kernel's step) for "
                      f"the Mosaic decode, got {math.block_k}.")
-  tiling = tiling or mosaic_decode.default_tiling(ps, h)
+  tiling = tiling or DecodeTiling()
   ones = jnp.ones_like(kv_len)
   bad = bad_sequences(page_table, kv_len, ones, ones, cache.num_pages, ps)
   kv_len = jnp.where(bad, 0, kv_len).astype(jnp.int32)
   q8, qs = quantize_query(q.reshape(b, kh, groups, h), math.sm_scale)
-  pad = mosaic_decode.ROWS - groups
-  q8 = jnp.pad(q8, ((0, 0), (0, 0), (0, pad), (0, 0)))
-  qs = jnp.pad(qs, ((0, 0), (0, 0), (0, pad)), constant_values=1.0)
+  q8 = jnp.pad(q8, ((0, 0), (0, 0),
+                   (0, mosaic_decode.padded_groups(groups) - groups), (0, 0)))
+  qs = jnp.pad(qs, ((0, 0), (0, 0), (0, mosaic_decode.MAX_GROUPS - groups)),
+               constant_values=1.0)
   splits = tiling.num_splits or decode_splits(b, kh, page_table.shape[1], ps,
                                               math.window)
   out, lse = mosaic_decode.decode_forward(
       q8, qs, cache.k_pages, cache.k_scales, cache.v_pages, cache.v_scales,
-      page_table.astype(jnp.int32), kv_len, groups=groups,
-      window=math.window, num_splits=splits, tiling=tiling)
-  parts = out.shape[0]
-  merged = merge_splits(out.reshape(parts, b, n, h),
-                        lse[..., :groups].reshape(parts, b, n),
+      page_table.astype(jnp.int32), kv_len, window=math.window,
+      num_splits=splits, tiling=tiling)
+  parts = out.shape[0]   # [parts, B, K, H, NQ] -> [parts, B, N, H]
+  out = jnp.swapaxes(out[..., :groups], -1, -2).reshape(parts, b, n, h)
+  merged = merge_splits(out, lse[..., :groups].reshape(parts, b, n),
                         cache.v_smooth, out_dtype)
   return jnp.where(bad[:, None, None], jnp.asarray(jnp.nan, out_dtype),
                    merged)
