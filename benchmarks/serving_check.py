@@ -503,16 +503,16 @@ def decode_tiling_sweep(run: Run):
 
 
 def mosaic_tiling_sweep(run: Run):
-  """The Mosaic decode's consumer count, ring depth and splits (defaults:
-  2 consumers, :func:`mosaic_decode.default_stages`,
+  """The Mosaic decode's consumer count and splits (defaults: 2 consumers,
   :func:`mosaic_decode.choose_splits`) at three shapes; returns the best
   consumer count per page size (at 32 x 16k; splits stay automatic)."""
   from sagejax.kernels.mosaic_decode import DecodeTiling
   rows, best = [], {}
-  cands = {64: [DecodeTiling(num_consumers=c) for c in (1, 2, 3, 4)]
-           + [DecodeTiling(num_stages=8), DecodeTiling(num_splits=2)],
-           32: [DecodeTiling(num_consumers=c) for c in (2, 4)],
-           128: [DecodeTiling(num_consumers=c) for c in (2, 4)]}
+  cands = {64: [DecodeTiling(num_consumers=c) for c in (1, 2, 4)]
+           + [DecodeTiling(num_splits=n) for n in (2, 4)],
+           32: [DecodeTiling()],
+           128: [DecodeTiling(num_consumers=c) for c in (1, 2)]
+           + [DecodeTiling(num_splits=2)]}
   for b, s in ((32, 16384), (8, 32768), (32, 4096)):
     pools = run.guard("pools", random_pages, jax.random.key(b + s),
                       b * s // 16, 16, True, 0)

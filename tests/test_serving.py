@@ -732,7 +732,7 @@ def test_mosaic_decode_tiling_and_splits():
   for bad in (dict(num_stages=5), dict(num_stages=0), dict(num_splits=0),
               dict(consumer_registers=248),
               dict(num_consumers=3, consumer_registers=160),
-              dict(num_consumers=5)):
+              dict(num_consumers=5), dict(num_ctas=0)):
     with pytest.raises(ValueError, match="DecodeTiling"):
       mosaic_decode.DecodeTiling(**bad)
   # One wave of CTAs where the pairs fill the GPU, more splits where not.
@@ -745,6 +745,8 @@ def test_mosaic_decode_tiling_and_splits():
   for ps in mosaic_decode.PAGE_SIZES:
     for h in mosaic_decode.HEAD_DIMS:
       for cons in (1, 2, 3, 4):
+        if mosaic_decode._smem_bytes(ps, h, 32, cons, cons) > (227 << 10):
+          continue   # no ring fits (e.g. 4 consumers of 128-key pages)
         stages = mosaic_decode.default_stages(ps, h, 32, cons)
         assert stages % cons == 0 and stages >= cons
         assert stages >= 4 or mosaic_decode._smem_bytes(
@@ -874,7 +876,9 @@ def test_non_finite_inputs_show_as_in_exact_attention(next_key, quantized):
     (128, 32, 8, None, dict(num_consumers=4)),
     (64, 128, 4, 700, dict(num_consumers=3)),
     (128, 128, 1, 300, dict(num_splits=1, num_consumers=1)),
-    (64, 64, 20, None, dict(num_splits=2))])
+    (64, 64, 20, None, dict(num_splits=2)),
+    (128, 64, 4, None, dict(num_ctas=3)),
+    (128, 32, 4, 500, dict(num_ctas=2, num_splits=3, num_consumers=3))])
 def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   """The Mosaic decode, compiled, device memory poisoned first: lengths
   4100, 1000, 65, 64, 63, 17 and 1 (partly filled last pages, a shared

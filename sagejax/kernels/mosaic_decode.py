@@ -6,11 +6,13 @@ FP8 V cache halves the bytes. The Triton paged kernel stalls at 2-2.5 TB/s on
 an H200 (load latency and instructions per key, benchmarks/NOTES.md); this
 kernel keeps whole pages in flight with TMA.
 
-A CTA owns one sequence's KV head and a contiguous slice of its pages
-(split-KV: ``num_splits`` CTAs share a sequence). A producer warpgroup reads
-page ids from the page table and copies each page's K ``[page_size, H]``
-(INT8), Vᵀ ``[H, page_size]`` (FP8: the cache's transposed V pages) and their
-per-token scales with TMA into a ``num_stages``-deep ring. ``num_consumers``
+A work item is one sequence's KV head and a contiguous slice of its pages
+(split-KV: ``num_splits`` items share a sequence); a persistent grid of CTAs
+(one per SM) takes the items in turn. A producer warpgroup reads page ids
+from the page table and copies each page's K ``[page_size, H]`` (INT8), Vᵀ
+``[H, page_size]`` (FP8: the cache's transposed V pages) and their per-token
+scales with TMA into a ``num_stages``-deep ring that runs on across a CTA's
+items (the next item's pages load while this one's last steps compute). ``num_consumers``
 consumer warpgroups take steps of ``max(64, page_size)`` keys in turn, each
 with its own online softmax. The products run with the *keys as rows*, so
 that the GQA group's few query heads (``NQ``, padded to a multiple of 8) are
@@ -51,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sagejax import quant
+from sagejax.backends._device import sm_count
 from sagejax.kernels._common import kv_block_range
 from sagejax.kernels.mosaic_attention import (_element, _mgpu, _tree,
                                               load_all, wgmma_smem)
@@ -84,8 +87,10 @@ class DecodeTiling:
     num_stages: steps in flight per CTA (the shared-memory ring), a multiple
       of ``num_consumers`` so that each consumer owns its slots. None: at
       least 4 steps and 64 KiB (:func:`default_stages`).
-    num_splits: CTAs per (sequence, KV head), each taking a contiguous
-      share of the pages; None: :func:`choose_splits`.
+    num_splits: work items per (sequence, KV head), each a contiguous
+      share of its steps; None: :func:`choose_splits`.
+    num_ctas: the persistent grid's CTAs, taking the work items in turn;
+      None: one per SM.
     consumer_registers, producer_registers: per-thread registers
       (``setmaxnreg``); None: what the register file leaves the consumers
       beside a producer of ``producer_registers``.
@@ -94,6 +99,7 @@ class DecodeTiling:
   num_consumers: int = 2
   num_stages: Optional[int] = None
   num_splits: Optional[int] = None
+  num_ctas: Optional[int] = None
   consumer_registers: Optional[int] = None
   producer_registers: int = 40
 
@@ -108,10 +114,11 @@ class DecodeTiling:
           f"DecodeTiling.num_stages must be a multiple of num_consumers="
           f"{self.num_consumers} in {self.num_consumers}..16, got "
           f"{self.num_stages}.")
-    if self.num_splits is not None and (not isinstance(self.num_splits, int)
-                                        or self.num_splits < 1):
-      raise ValueError(f"DecodeTiling.num_splits must be a positive int or "
-                       f"None, got {self.num_splits!r}.")
+    for name in ("num_splits", "num_ctas"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"DecodeTiling.{name} must be a positive int or "
+                         f"None, got {value!r}.")
     regs = (self.registers(), self.producer_registers)
     if any(r % 8 or not 24 <= r <= 256 for r in regs) or (
         self.num_consumers * regs[0] + regs[1] > self._budget()):
@@ -141,8 +148,8 @@ class DecodeTiling:
 def _smem_bytes(page_size: int, head_dim: int, nq: int, consumers: int,
                 stages: int) -> int:
   sk = step_keys(page_size)
-  fixed = (nq * head_dim + MAX_GROUPS * 4 + consumers * (
-      sk * nq + head_dim * nq * 4 + MAX_GROUPS * 4 + 48 * (nq + 8)) + 1024)
+  fixed = (2 * (nq * head_dim + MAX_GROUPS * 4) + consumers * (
+      sk * nq + head_dim * nq * 4 + MAX_GROUPS * 4 + 64 * (nq + 8)) + 1024)
   return fixed + stages * (2 * sk * head_dim + 8 * sk)
 
 
@@ -160,15 +167,15 @@ def default_stages(page_size: int, head_dim: int, nq: int = 8,
   return stages
 
 
-def choose_splits(pairs: int, steps: int, num_sms: int,
-                  overhead_steps: float = 4.0, max_splits: int = 64) -> int:
-  """CTAs per (sequence, KV head) for ``pairs`` of them with ``steps``
-  steps each on ``num_sms`` SMs (one CTA per SM at a time): the count that
-  minimizes waves × (steps per CTA + a fixed cost of about
-  ``overhead_steps`` steps: launch, Q, filling the ring)."""
+def choose_splits(pairs: int, steps: int, ctas: int,
+                  overhead_steps: float = 2.0, max_splits: int = 64) -> int:
+  """Work items per (sequence, KV head) for ``pairs`` of them with
+  ``steps`` steps each on ``ctas`` persistent CTAs: the count that
+  minimizes the busiest CTA's items × (steps per item + about
+  ``overhead_steps`` steps of its own: Q, the partial outputs)."""
   best, best_cost = 1, math.inf
   for s in range(1, max(1, min(max_splits, steps // 2)) + 1):
-    waves = -(-pairs * s // num_sms)
+    waves = -(-pairs * s // ctas)
     cost = waves * (steps / s + overhead_steps)
     if cost < best_cost - 1e-9:
       best, best_cost = s, cost
@@ -326,7 +333,8 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
     kv_len: int32 ``[B]`` cached tokens; the query is the last of them.
     window: the query sees keys ``[kv_len − 1 − window, kv_len − 1]``; None:
       all.
-    num_splits: CTAs per (sequence, KV head).
+    num_splits: work items per (sequence, KV head), each a contiguous
+      share of its steps.
 
   Returns:
     ``(out, lse)``: f32 ``[parts, B, K, H, NQ]`` partial outputs (transposed),
@@ -360,161 +368,207 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
   key_layout = plgpu.Layout.WGMMA.reduce(1)    # [keys]: one per row
   head_layout = plgpu.Layout.WGMMA.reduce(0)   # [NQ]: one per column
 
+  items = num_splits * kh * b
+  ctas = min(items, tiling.num_ctas or sm_count())
+
   def kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, pt_ref, kl_ref,
              out_ref, lse_ref, scratch):
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, p_smem, o_smem,
      lse_smem, x_smem) = scratch[0]
-    q_bar, full, free = scratch[1:]
-    split = lax.axis_index("splits")
-    head = lax.axis_index("heads")
-    batch = lax.axis_index("batch")
+    q_bar, q_free, full, free = scratch[1:]
+    cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
-    length = kl_ref[batch]
-    blo, flo, fhi, bhi = kv_block_range(spec, 0, 0, 1, length, sk,
-                                        num_blocks)
-    chunk = lax.div(bhi - blo + num_splits - 1, jnp.int32(num_splits))
-    s_lo = jnp.minimum(blo + split * chunk, bhi)
-    s_hi = jnp.minimum(s_lo + chunk, bhi)
-    flo = jnp.clip(flo, s_lo, s_hi)
-    fhi = jnp.clip(fhi, flo, s_hi)
+    n_items = lax.div(items - cta + ctas - 1, jnp.int32(ctas))
+
+    def item(it):
+      """Work item ``it`` of this CTA: (batch, KV head, split), its step
+      range ``[s_lo, s_hi)`` and the unmasked part ``[flo, fhi)``."""
+      w = cta + it * ctas
+      batch = lax.div(w, jnp.int32(kh * num_splits))
+      head = lax.rem(lax.div(w, jnp.int32(num_splits)), jnp.int32(kh))
+      split = lax.rem(w, jnp.int32(num_splits))
+      length = kl_ref[batch]
+      blo, flo, fhi, bhi = kv_block_range(spec, 0, 0, 1, length, sk,
+                                          num_blocks)
+      chunk = lax.div(bhi - blo + num_splits - 1, jnp.int32(num_splits))
+      s_lo = jnp.minimum(blo + split * chunk, bhi)
+      s_hi = jnp.minimum(s_lo + chunk, bhi)
+      flo = jnp.clip(flo, s_lo, s_hi)
+      fhi = jnp.clip(fhi, flo, s_hi)
+      return batch, head, split, length, (s_lo, flo, fhi, s_hi)
 
     @pl.when(wg < cons)
     def _consumer():
       plgpu.set_max_registers(tiling.registers(), action="increase")
-      first = s_lo + wg   # this consumer's steps: first, first + cons, ...
 
-      def index(block):   # of this consumer's first step at or after block
-        return lax.div(jnp.maximum(block - first + cons - 1, 0),
-                       jnp.int32(cons))
+      def run_item(it, done):
+        """One work item; ``done``: ring steps of this CTA's earlier items
+        (the ring's slots and their consumers run on across items)."""
+        batch, head, split, length, (s_lo, flo, fhi, s_hi) = item(it)
+        qslot = lax.rem(it, jnp.int32(2))
+        # This consumer's steps: those whose ring index is wg mod cons.
+        first = s_lo + lax.rem(wg - lax.rem(done, jnp.int32(cons))
+                               + cons, jnp.int32(cons))
 
-      plgpu.barrier_wait(q_bar)
-      qs = load_all(qs_smem.at[pl.ds(0, nq)], head_layout)
+        def index(block):   # of this consumer's first step at/after block
+          return lax.div(jnp.maximum(block - first + cons - 1, 0),
+                         jnp.int32(cons))
 
-      def step(i, carry, masked: bool):
-        acc, m, l_acc, c_prev = carry
-        j = first + cons * i
-        slot = lax.rem(j - s_lo, jnp.int32(stages))
-        plgpu.barrier_wait(full.at[slot])
+        plgpu.barrier_wait(q_bar.at[qslot])
+        qs = load_all(qs_smem.at[qslot, pl.ds(0, nq)], head_layout)
 
-        def qk(s_ref):
-          plgpu.wgmma(s_ref, k_smem.at[slot],
-                      plgpu.transpose_ref(q_smem, (1, 0)))
-          return s_ref[...]
+        def step(i, carry, masked: bool):
+          acc, m, l_acc, c_prev = carry
+          j = first + cons * i
+          slot = lax.rem(done + j - s_lo, jnp.int32(stages))
+          plgpu.barrier_wait(full.at[slot])
 
-        s = pl.run_scoped(qk, plgpu.ACC((sk, nq), jnp.int32))
-        ks = load_all(ks_smem.at[slot], key_layout)
-        vs = load_all(vs_smem.at[slot], key_layout)
-        t = s.astype(jnp.float32) * lax.broadcast_in_dim(ks, (sk, nq), [0])
-        if masked:
-          keys = j * sk + plgpu.broadcasted_iota(jnp.int32, (sk,), 0,
-                                                 layout=key_layout)
-          seen = spec.visible_at(jnp.int32(0), keys, jnp.int32(1), length)
-          t = jnp.where(lax.broadcast_in_dim(seen, (sk, nq), [0]), t,
-                        -jnp.inf)
-          vs = jnp.where(keys < length, vs, 0.0)   # stale slots: no scale
+          def qk(s_ref):
+            plgpu.wgmma(s_ref, k_smem.at[slot],
+                        plgpu.transpose_ref(q_smem.at[qslot], (1, 0)))
+            return s_ref[...]
 
-          @pl.when((j + 1) * sk > length)
-          def _zero_stale_values():
-            # 8-bit values admit only bitwise operations: AND with a mask.
+          s = pl.run_scoped(qk, plgpu.ACC((sk, nq), jnp.int32))
+          ks = load_all(ks_smem.at[slot], key_layout)
+          vs = load_all(vs_smem.at[slot], key_layout)
+          t = s.astype(jnp.float32) * lax.broadcast_in_dim(ks, (sk, nq), [0])
+          if masked:
+            keys = j * sk + plgpu.broadcasted_iota(jnp.int32, (sk,), 0,
+                                                   layout=key_layout)
+            seen = spec.visible_at(jnp.int32(0), keys, jnp.int32(1), length)
+            t = jnp.where(lax.broadcast_in_dim(seen, (sk, nq), [0]), t,
+                          -jnp.inf)
+            vs = jnp.where(keys < length, vs, 0.0)   # stale slots: no scale
+
+            @pl.when((j + 1) * sk > length)
+            def _zero_stale_values():
+              # 8-bit values admit only bitwise operations: AND a mask.
+              for page in range(pps):
+                tile = v_smem.at[slot, page]
+                vt = lax.bitcast_convert_type(
+                    load_all(tile, plgpu.Layout.WGMMA), jnp.int8)
+                key = j * sk + page * ps + plgpu.broadcasted_iota(
+                    jnp.int32, (h, ps), 1, layout=plgpu.Layout.WGMMA)
+                keep = jnp.where(key < length, -1, 0).astype(jnp.int8)
+                tile[...] = lax.bitcast_convert_type(vt & keep,
+                                                     quant.FP8_DTYPE)
+              plgpu.commit_smem()
+
+          t_max, c = _over_keys(t, vs, x_smem.at[wg, lax.rem(i, 2)], "max")
+          m_new = jnp.maximum(m, qs * t_max)
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          alpha = jnp.exp2(m - m_use)
+          c = jnp.where(c > 0, c, 1.0)
+          # p = 448 · p̃ / c: the normalization by c rides in the exponent.
+          shift = m_use - _LOG2_P_SCALE + jnp.log2(c)
+          p = jnp.exp2(t * lax.broadcast_in_dim(qs, (sk, nq), [1])
+                       - lax.broadcast_in_dim(shift, (sk, nq), [1]))
+          l_acc = (l_acc * lax.broadcast_in_dim(alpha, (sk, nq), [1])
+                   + p * lax.broadcast_in_dim(c, (sk, nq), [1]))
+          p = p * lax.broadcast_in_dim(vs, (sk, nq), [0])
+          _store_transposed(p.astype(quant.FP8_DTYPE), p_smem.at[wg], ps)
+          plgpu.commit_smem()
+
+          def pv(pv_ref):
             for page in range(pps):
-              tile = v_smem.at[slot, page]
-              vt = lax.bitcast_convert_type(
-                  load_all(tile, plgpu.Layout.WGMMA), jnp.int8)
-              key = j * sk + page * ps + plgpu.broadcasted_iota(
-                  jnp.int32, (h, ps), 1, layout=plgpu.Layout.WGMMA)
-              keep = jnp.where(key < length, -1, 0).astype(jnp.int8)
-              tile[...] = lax.bitcast_convert_type(vt & keep,
-                                                   quant.FP8_DTYPE)
-            plgpu.commit_smem()
+              plgpu.wgmma(pv_ref, v_smem.at[slot, page],
+                          plgpu.transpose_ref(p_smem.at[wg, page], (1, 0)))
 
-        t_max, c = _over_keys(t, vs, x_smem.at[wg, lax.rem(i, 2)], "max")
-        m_new = jnp.maximum(m, qs * t_max)
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_use)
-        c = jnp.where(c > 0, c, 1.0)
-        # p = 448 · p̃ / c: the normalization by c rides in the exponent.
-        shift = m_use - _LOG2_P_SCALE + jnp.log2(c)
-        p = jnp.exp2(t * lax.broadcast_in_dim(qs, (sk, nq), [1])
-                     - lax.broadcast_in_dim(shift, (sk, nq), [1]))
-        l_acc = (l_acc * lax.broadcast_in_dim(alpha, (sk, nq), [1])
-                 + p * lax.broadcast_in_dim(c, (sk, nq), [1]))
-        p = p * lax.broadcast_in_dim(vs, (sk, nq), [0])
-        _store_transposed(p.astype(quant.FP8_DTYPE), p_smem.at[wg], ps)
+          block = pl.run_state(pv)(plgpu.ACC.init(
+              plgpu.layout_cast(jnp.zeros((h, nq), jnp.float32),
+                                plgpu.Layout.WGMMA)))
+          plgpu.barrier_arrive(free.at[slot])
+          factor = lax.broadcast_in_dim(alpha * c_prev / c, (h, nq), [1])
+          return acc * factor + block, m_new, l_acc, c
+
+        def heads(x):
+          return plgpu.layout_cast(jnp.full((nq,), x, jnp.float32),
+                                   head_layout)
+
+        carry = (plgpu.layout_cast(jnp.zeros((h, nq), jnp.float32),
+                                   plgpu.Layout.WGMMA),
+                 heads(-jnp.inf),
+                 plgpu.layout_cast(jnp.zeros((sk, nq), jnp.float32),
+                                   plgpu.Layout.WGMMA),
+                 heads(1.0))
+        bounds = (index(s_lo), index(flo), index(fhi), index(s_hi))
+        masked = lambda i, c: step(i, c, masked=True)  # noqa: E731
+        carry = lax.fori_loop(bounds[0], bounds[1], masked, carry)
+        carry = lax.fori_loop(bounds[1], bounds[2],
+                              lambda i, c: step(i, c, masked=False), carry)
+        acc, m, l_acc, c = lax.fori_loop(bounds[2], bounds[3], masked,
+                                         carry)
+        plgpu.barrier_arrive(q_free.at[qslot])
+
+        # Final sums alternate two buffers of their own (see _over_keys).
+        [l] = _over_keys(l_acc, None, x_smem.at[wg, 2 + qslot], "add")
+        seen = l != 0   # a NaN sum is seen (quant's rules)
+        scale = jnp.where(seen, c / jnp.where(seen, l, 1.0), 0.0)
+        # The last item's partials have left shared memory (the issuing
+        # thread waits; the barrier tells the others).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.commit_smem()
+        o_smem.at[wg][...] = acc * lax.broadcast_in_dim(scale, (h, nq), [1])
+        lse = m + jnp.log2(jnp.where(seen, l, 1.0)) - _LOG2_P_SCALE
+        lse_smem.at[wg, pl.ds(0, nq)][...] = jnp.where(seen, lse, -jnp.inf)
+        plgpu.commit_smem()
+        part = cons * split + wg
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[part, batch, head])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                lse_ref.at[part, batch, head])
+        return done + (s_hi - s_lo)
 
-        def pv(pv_ref):
-          for page in range(pps):
-            plgpu.wgmma(pv_ref, v_smem.at[slot, page],
-                        plgpu.transpose_ref(p_smem.at[wg, page], (1, 0)))
-
-        block = pl.run_state(pv)(plgpu.ACC.init(
-            plgpu.layout_cast(jnp.zeros((h, nq), jnp.float32),
-                              plgpu.Layout.WGMMA)))
-        plgpu.barrier_arrive(free.at[slot])
-        factor = lax.broadcast_in_dim(alpha * c_prev / c, (h, nq), [1])
-        return acc * factor + block, m_new, l_acc, c
-
-      def heads(x):
-        return plgpu.layout_cast(jnp.full((nq,), x, jnp.float32),
-                                 head_layout)
-
-      carry = (plgpu.layout_cast(jnp.zeros((h, nq), jnp.float32),
-                                 plgpu.Layout.WGMMA),
-               heads(-jnp.inf),
-               plgpu.layout_cast(jnp.zeros((sk, nq), jnp.float32),
-                                 plgpu.Layout.WGMMA),
-               heads(1.0))
-      bounds = (index(s_lo), index(flo), index(fhi), index(s_hi))
-      masked = lambda i, c: step(i, c, masked=True)  # noqa: E731
-      carry = lax.fori_loop(bounds[0], bounds[1], masked, carry)
-      carry = lax.fori_loop(bounds[1], bounds[2],
-                            lambda i, c: step(i, c, masked=False), carry)
-      acc, m, l_acc, c = lax.fori_loop(bounds[2], bounds[3], masked, carry)
-
-      [l] = _over_keys(l_acc, None, x_smem.at[wg, 2], "add")
-      seen = l != 0   # a NaN sum is seen (quant's rules)
-      scale = jnp.where(seen, c / jnp.where(seen, l, 1.0), 0.0)
-      o_smem.at[wg][...] = acc * lax.broadcast_in_dim(scale, (h, nq), [1])
-      lse = m + jnp.log2(jnp.where(seen, l, 1.0)) - _LOG2_P_SCALE
-      lse_smem.at[wg, pl.ds(0, nq)][...] = jnp.where(seen, lse, -jnp.inf)
-      plgpu.commit_smem()
-      part = cons * split + wg
-      plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[part, batch, head])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[part, batch, head])
+      lax.fori_loop(0, n_items, run_item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == cons)
     def _producer():
       plgpu.set_max_registers(tiling.producer_registers, action="decrease")
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_bar)
-      plgpu.copy_gmem_to_smem(qs_ref.at[batch, head], qs_smem, q_bar)
 
-      @pl.loop(0, s_hi - s_lo)
-      def _(r):
-        slot = lax.rem(r, jnp.int32(stages))
+      def load_item(it, done):
+        batch, head, _, _, (s_lo, _, _, s_hi) = item(it)
+        qslot = lax.rem(it, jnp.int32(2))
 
-        @pl.when(r >= stages)
+        @pl.when(it >= 2)
         def _():
-          plgpu.barrier_wait(free.at[slot])
+          plgpu.barrier_wait(q_free.at[qslot])
 
-        bar = full.at[slot]
-        for i in range(pps):
-          entry = jnp.minimum((s_lo + r) * pps + i, max_pages - 1)
-          page = jnp.clip(pt_ref[batch, entry], 0, num_pages - 1)
-          rows = pl.ds(i * ps, ps)
-          plgpu.copy_gmem_to_smem(k_ref.at[head, page],
-                                  k_smem.at[slot, rows], bar)
-          plgpu.copy_gmem_to_smem(ks_ref.at[head, page],
-                                  ks_smem.at[slot, rows], bar)
-          plgpu.copy_gmem_to_smem(v_ref.at[head, page], v_smem.at[slot, i],
-                                  bar)
-          plgpu.copy_gmem_to_smem(vs_ref.at[head, page],
-                                  vs_smem.at[slot, rows], bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem.at[qslot],
+                                q_bar.at[qslot])
+        plgpu.copy_gmem_to_smem(qs_ref.at[batch, head], qs_smem.at[qslot],
+                                q_bar.at[qslot])
+
+        @pl.loop(0, s_hi - s_lo)
+        def _(r):
+          ring = done + r
+          slot = lax.rem(ring, jnp.int32(stages))
+
+          @pl.when(ring >= stages)
+          def _():
+            plgpu.barrier_wait(free.at[slot])
+
+          bar = full.at[slot]
+          for i in range(pps):
+            entry = jnp.minimum((s_lo + r) * pps + i, max_pages - 1)
+            page = jnp.clip(pt_ref[batch, entry], 0, num_pages - 1)
+            rows = pl.ds(i * ps, ps)
+            plgpu.copy_gmem_to_smem(k_ref.at[head, page],
+                                    k_smem.at[slot, rows], bar)
+            plgpu.copy_gmem_to_smem(ks_ref.at[head, page],
+                                    ks_smem.at[slot, rows], bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[head, page],
+                                    v_smem.at[slot, i], bar)
+            plgpu.copy_gmem_to_smem(vs_ref.at[head, page],
+                                    vs_smem.at[slot, rows], bar)
+
+        return done + (s_hi - s_lo)
+
+      lax.fori_loop(0, n_items, load_item, jnp.int32(0))
 
   def entry(*refs):
     smem = (
-        wgmma_smem((nq, h), jnp.int8),
-        plgpu.SMEM((MAX_GROUPS,), jnp.float32),
+        wgmma_smem((2, nq, h), jnp.int8),
+        plgpu.SMEM((2, MAX_GROUPS), jnp.float32),
         wgmma_smem((stages, sk, h), jnp.int8),
         plgpu.SMEM((stages, sk), jnp.float32),
         wgmma_smem((stages, pps, h, ps), quant.FP8_DTYPE),
@@ -522,11 +576,12 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
         wgmma_smem((cons, pps, nq, ps), quant.FP8_DTYPE),
         plgpu.SMEM((cons, h, nq), jnp.float32),
         plgpu.SMEM((cons, MAX_GROUPS), jnp.float32),
-        plgpu.SMEM((cons, 3, 4, nq + 8), jnp.float32),   # _over_keys
+        plgpu.SMEM((cons, 4, 4, nq + 8), jnp.float32),   # _over_keys
     )
     pl.run_scoped(
         lambda *scratch: kernel(*refs, scratch), smem,
-        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        plgpu.Barrier(num_arrivals=cons, num_barriers=2),
         plgpu.Barrier(num_arrivals=4 * pps, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         collective_axes="wg")
@@ -537,8 +592,8 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
       out_type=(jax.ShapeDtypeStruct((parts, b, kh, h, nq), jnp.float32),
                 jax.ShapeDtypeStruct((parts, b, kh, MAX_GROUPS),
                                      jnp.float32)),
-      grid=(num_splits, kh, b),
-      grid_names=("splits", "heads", "batch"),
+      grid=(ctas,),
+      grid_names=("cta",),
       num_threads=cons + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),

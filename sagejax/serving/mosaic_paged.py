@@ -240,14 +240,15 @@ def decode_unsupported(cache: PagedKVCache, math: PagedMath, groups: int
 
 
 def decode_splits(batch: int, kv_heads: int, max_pages: int, page_size: int,
-                  window: Optional[int]) -> int:
+                  window: Optional[int], ctas: Optional[int] = None) -> int:
   """:func:`mosaic_decode.choose_splits` for this call's widest sequence
   (a window bounds the keys a query reads)."""
   sk = mosaic_decode.step_keys(page_size)
   steps = -(-max_pages * page_size // sk)
   if window is not None:
     steps = min(steps, window // sk + 2)
-  return mosaic_decode.choose_splits(batch * kv_heads, steps, sm_count())
+  return mosaic_decode.choose_splits(batch * kv_heads, steps,
+                                     ctas or sm_count())
 
 
 def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
@@ -289,7 +290,7 @@ def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
   qs = jnp.pad(qs, ((0, 0), (0, 0), (0, mosaic_decode.MAX_GROUPS - groups)),
                constant_values=1.0)
   splits = tiling.num_splits or decode_splits(b, kh, page_table.shape[1], ps,
-                                              math.window)
+                                              math.window, tiling.num_ctas)
   out, lse = mosaic_decode.decode_forward(
       q8, qs, cache.k_pages, cache.k_scales, cache.v_pages, cache.v_scales,
       page_table.astype(jnp.int32), kv_len, window=math.window,
