@@ -408,17 +408,20 @@ def decode_variants(b, s, pools, tilings, smoke):
             for ps in (16, 64)}
   q_bytes = b * N * H * 2
   out = {}
-  for ps in MOSAIC_PAGES:   # the Mosaic decode (Hopper), its own tables
+  for quantized, ps in [(True, p) for p in MOSAIC_PAGES] + [(False, 64),
+                                                            (False, 128)]:
+    # The Mosaic decode (Hopper), its own tables.
     table = jnp.asarray(np.random.RandomState(ps).permutation(
         pages16 * 16 // ps).reshape(b, s // ps).astype(np.int32))
-    tiling = tilings.get(("mosaic", ps))
-    def fm(q, pools, ps=ps, tiling=tiling, table=table):
-      return serving.decode_attention(q, _cache(pools, True, ps), table,
+    tiling = tilings.get(("mosaic", ps)) if quantized else None
+    def fm(q, pools, ps=ps, tiling=tiling, table=table, quantized=quantized):
+      return serving.decode_attention(q, _cache(pools, quantized, ps), table,
                                       lengths, implementation="mosaic",
                                       tiling=tiling)
+    per_token = 2 * H + 8 if quantized else 4 * H
     if not smoke:
-      out[f"sage mosaic int8/fp8 p{ps}"] = (fm, b * s * K * (2 * H + 8)
-                                            + q_bytes)
+      kind = "int8/fp8" if quantized else "bf16"
+      out[f"sage mosaic {kind} p{ps}"] = (fm, b * s * K * per_token + q_bytes)
   for quantized, ps in ((True, 16), (True, 64), (False, 16)):
     if True:
       kind = "int8/fp8" if quantized else "bf16"
@@ -586,7 +589,11 @@ def decode_sweep(run: Run, copy_bw: float, tilings):
       row["int8_copy_fraction"] = row["tb_s"]["sage int8/fp8 p16"] / copy_bw
     if us.get("sage bf16 p16") and cudnn:
       row["bf16_vs_cudnn"] = cudnn / us["sage bf16 p16"]
-    mosaic = {k: v for k, v in us.items() if k.startswith("sage mosaic")}
+    mosaic = {k: v for k, v in us.items()
+              if k.startswith("sage mosaic int8")}
+    mosaic_bf16 = [v for k, v in us.items() if k.startswith("sage mosaic bf16")]
+    if mosaic_bf16 and cudnn:
+      row["mosaic_bf16_vs_cudnn"] = cudnn / min(mosaic_bf16)
     if mosaic:
       name = min(mosaic, key=mosaic.get)
       row["mosaic_best"] = name
@@ -712,7 +719,8 @@ def report(run: Run):
   print("\n== decode (GQA 32/8, H=128, bf16 q; µs, TB/s of cache bytes "
         "read) ==")
   cols = ["sage mosaic int8/fp8 p32", "sage mosaic int8/fp8 p64",
-          "sage mosaic int8/fp8 p128",
+          "sage mosaic int8/fp8 p128", "sage mosaic bf16 p64",
+          "sage mosaic bf16 p128",
           "sage int8/fp8 p16", "sage int8/fp8 p64", "sage bf16 p16",
           "jax paged bf16 p16 (best)", "jax paged int8 p16",
           "cudnn dense bf16"]
@@ -734,14 +742,16 @@ def report(run: Run):
           f" | {fmt(r.get('int8_copy_fraction'), True)} | "
           f"{fmt(r.get('bf16_vs_cudnn'))} |")
   print("\nMosaic decode, best page size per row: x cuDNN (>=1.7), x JAX "
-        "paged bf16 (>=3), % of copy bandwidth (>=75):")
+        "paged bf16 (>=3), % of copy bandwidth (>=75); bf16 pages x cuDNN "
+        "(>=0.9):")
   for r in d.get("decode", []):
     if r.get("mosaic_best"):
       fmt = lambda x, pct=False: "-" if x is None else (  # noqa: E731
           f"{100 * x:.0f}%" if pct else f"{x:.2f}x")
       print(f"  {r['batch']} x {r['tokens'] // 1024}k: {r['mosaic_best']} "
             f"{fmt(r.get('mosaic_vs_cudnn'))} {fmt(r.get('mosaic_vs_jax_bf16'))}"
-            f" {fmt(r.get('mosaic_copy_fraction'), True)}")
+            f" {fmt(r.get('mosaic_copy_fraction'), True)}; bf16 "
+            f"{fmt(r.get('mosaic_bf16_vs_cudnn'))}")
   if d.get("mosaic_tiling"):
     print("\n== Mosaic decode tiling (µs) ==")
     for r in d["mosaic_tiling"]:

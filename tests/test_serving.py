@@ -99,7 +99,7 @@ def _tokens(key, b, t, s, n, kh, h, kind):
 
 
 def _scenario(key, kv_len, q_len, *, kh=2, g=4, h=64, ps=16, quantized=True,
-              kind="channel_bias", t=None, extra_pages=3):
+              kind="channel_bias", t=None, extra_pages=3, dtype=jnp.float32):
   """Random tokens in a cache with shuffled pages; sequence 1 reuses the
   first cached pages of sequence 0 (a shared prefix: same tokens, same
   pages). The last ``q_len`` tokens of each sequence are appended in a second
@@ -123,7 +123,7 @@ def _scenario(key, kv_len, q_len, *, kh=2, g=4, h=64, ps=16, quantized=True,
     start[1] = shared * ps   # its prefix pages are cached already
   cache = serving.PagedKVCache.create(
       num_pages=pool, page_size=ps, num_kv_heads=kh, head_dim=h,
-      quantized=quantized, dtype=jnp.float32)
+      quantized=quantized, dtype=dtype)
   cache = _append_range(cache, k, v, table, np.minimum(start, prefix), prefix)
   cache = _append_range(cache, k, v, table, prefix, kv_len)
   return dict(q=jnp.asarray(q), k=jnp.asarray(k), v=jnp.asarray(v),
@@ -674,9 +674,10 @@ def test_mosaic_extend_lowers_for_cuda(monkeypatch, pv, h):
 
 
 def test_mosaic_decode_selection_and_errors(monkeypatch):
-  """Decode on Hopper takes the Mosaic kernel for a quantized cache with
-  pages of 32-128 tokens (its default P̃ is FP8); other calls keep Triton,
-  and a Mosaic decode asked for by name says why it cannot run."""
+  """Decode on Hopper takes the Mosaic kernel for INT8/FP8 pages of 32-128
+  tokens (its default P̃ is FP8) and 16-bit pages of 64-128; other calls
+  keep Triton, and a Mosaic decode asked for by name says why it cannot
+  run."""
   from sagejax.kernels.mosaic_attention import MosaicTiling
   from sagejax.kernels.mosaic_decode import DecodeTiling
   from sagejax.serving import attention as attention_lib
@@ -685,14 +686,17 @@ def test_mosaic_decode_selection_and_errors(monkeypatch):
   make = functools.partial(serving.PagedKVCache.create, num_pages=8,
                            num_kv_heads=2, head_dim=64)
   cache64, cache16 = make(page_size=64), make(page_size=16)
-  plain = make(page_size=64, quantized=False)
+  plain, plain32 = (make(page_size=64, quantized=False),
+                    make(page_size=32, quantized=False))
+  plain_f32 = make(page_size=64, quantized=False, dtype=jnp.float32)
   math = PagedMath(sm_scale=0.125, pv_dtype="fp8_e4m3")
   q = jnp.ones((1, 1, 8, 64))
   pick = functools.partial(attention_lib._select, None, False, q)
   assert pick(cache64, math, True, 1, None) == "mosaic"
   assert pick(cache64, math, True, 1, DecodeTiling()) == "mosaic"
+  assert pick(plain, math, True, 1, None) == "mosaic"     # bf16 pages
   for cache, m, tiling in (
-      (cache16, math, None), (plain, math, None),
+      (cache16, math, None), (plain32, math, None), (plain_f32, math, None),
       (cache64, dataclasses.replace(math, pv_dtype="fp16"), None),
       (cache64, dataclasses.replace(math, soft_cap=5.0), None),
       (cache64, math, serving.PagedTiling())):
@@ -873,6 +877,8 @@ def test_non_finite_inputs_show_as_in_exact_attention(next_key, quantized):
 @needs_hopper
 @pytest.mark.parametrize("h,ps,g,window,tiling", [
     (128, 64, 4, None, {}), (128, 64, 4, None, dict(num_splits=1)),
+    (128, 64, 4, None, dict(quantized=False)),
+    (64, 128, 8, 700, dict(quantized=False, num_ctas=3)),
     (128, 32, 8, None, dict(num_consumers=4)),
     (64, 128, 4, 700, dict(num_consumers=3)),
     (128, 128, 1, 300, dict(num_splits=1, num_consumers=1)),
@@ -880,16 +886,19 @@ def test_non_finite_inputs_show_as_in_exact_attention(next_key, quantized):
     (128, 64, 4, None, dict(num_ctas=3)),
     (128, 32, 4, 500, dict(num_ctas=2, num_splits=3, num_consumers=3))])
 def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
-  """The Mosaic decode, compiled, device memory poisoned first: lengths
-  4100, 1000, 65, 64, 63, 17 and 1 (partly filled last pages, a shared
-  prefix), GQA g/2, channel-bias data, NaN in the stale slots past each
-  sequence's last token; against the ``"xla"`` reference (same FP8 P̃ and
+  """The Mosaic decode, compiled, device memory poisoned first, on INT8/FP8
+  and bf16 pages: lengths 4100, 1000, 65, 64, 63, 17 and 1 (partly filled
+  last pages, a shared prefix), GQA g/2, channel-bias data, NaN in the
+  stale slots past each sequence's last token; against the ``"xla"`` reference (same FP8 P̃ and
   normalization blocks) and dense attention over the cache's dequantized
   tokens. A page id outside the pool gives NaN for its sequence only."""
   from sagejax.kernels import mosaic_decode
   from sagejax.kernels.mosaic_decode import DecodeTiling
+  tiling = dict(tiling)
+  quantized = tiling.pop("quantized", True)
   lens = [4100, 1000, 65, 64, 63, 17, 1]
-  sc = _scenario(next_key(), lens, [1] * len(lens), kh=2, g=g, h=h, ps=ps)
+  sc = _scenario(next_key(), lens, [1] * len(lens), kh=2, g=g, h=h, ps=ps,
+                 quantized=quantized, dtype=jnp.bfloat16)
   q = sc["q"][:, 0].astype(jnp.bfloat16)
   k_deq, v_deq = _dequantized(sc)
   ones = jnp.ones(len(lens), jnp.int32)
@@ -899,11 +908,16 @@ def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   for b, n in enumerate(lens):   # stale entries of each last page
     if n % ps:
       page = table[b, n // ps]
-      cache = dataclasses.replace(
-          cache,
-          v_pages=cache.v_pages.at[:, page, :, n % ps:].set(jnp.nan),
-          v_scales=cache.v_scales.at[:, page, n % ps:].set(jnp.nan),
-          k_scales=cache.k_scales.at[:, page, n % ps:].set(jnp.nan))
+      if quantized:
+        cache = dataclasses.replace(
+            cache,
+            v_pages=cache.v_pages.at[:, page, :, n % ps:].set(jnp.nan),
+            v_scales=cache.v_scales.at[:, page, n % ps:].set(jnp.nan),
+            k_scales=cache.k_scales.at[:, page, n % ps:].set(jnp.nan))
+      else:
+        cache = dataclasses.replace(
+            cache, v_pages=cache.v_pages.at[:, page, n % ps:].set(jnp.nan),
+            k_pages=cache.k_pages.at[:, page, n % ps:].set(jnp.nan))
   config = serving.SERVING_CONFIG.replace(pv_dtype="fp8_e4m3")
   tiling = DecodeTiling(**tiling)
   block = serving.PagedTiling(block_k=mosaic_decode.step_keys(ps))
@@ -930,9 +944,10 @@ def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
 
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("keys,nq,ps", [(64, 8, 64), (64, 16, 32),
-                                        (128, 8, 128), (64, 32, 64)])
-def test_gpu_mosaic_decode_transposed_store(keys, nq, ps):
+@pytest.mark.parametrize("keys,nq,ps,dtype", [
+    (64, 8, 64, "fp8"), (64, 16, 32, "fp8"), (128, 8, 128, "fp8"),
+    (64, 32, 64, "fp8"), (64, 8, 64, "bf16"), (128, 16, 128, "bf16")])
+def test_gpu_mosaic_decode_transposed_store(keys, nq, ps, dtype):
   """The decode kernel's byte stores of P at the hardware swizzle: values
   made in registers ([keys, NQ], WGMMA layout), stored transposed into
   swizzled page tiles, copied out by TMA (which unswizzles) equal the
@@ -943,6 +958,7 @@ def test_gpu_mosaic_decode_transposed_store(keys, nq, ps):
   from sagejax.kernels import mosaic_decode
   from sagejax.kernels.mosaic_attention import wgmma_smem
   pps = keys // ps
+  dtype = quant.FP8_DTYPE if dtype == "fp8" else jnp.bfloat16
 
   def pattern(k, g):
     return ((k * 7 + g * 3) % 61).astype(jnp.float32) - 30.0
@@ -952,23 +968,22 @@ def test_gpu_mosaic_decode_transposed_store(keys, nq, ps):
                                layout=plgpu.Layout.WGMMA)
     g = plgpu.broadcasted_iota(jnp.int32, (keys, nq), 1,
                                layout=plgpu.Layout.WGMMA)
-    mosaic_decode._store_transposed(pattern(k, g).astype(quant.FP8_DTYPE),
-                                    p_smem, ps)
+    mosaic_decode._store_transposed(pattern(k, g).astype(dtype), p_smem, ps)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(p_smem, out_ref)
     plgpu.wait_smem_to_gmem(0)
 
   def kernel(out_ref):
     pl.run_scoped(functools.partial(body, out_ref),
-                  wgmma_smem((pps, nq, ps), quant.FP8_DTYPE))
+                  wgmma_smem((pps, nq, ps), dtype))
 
   run = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((pps, nq, ps), quant.FP8_DTYPE))
+      kernel, out_type=jax.ShapeDtypeStruct((pps, nq, ps), dtype))
   jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()  # poison
   got = np.asarray(jax.jit(run)().astype(jnp.float32))
   k = np.arange(keys)[:, None]
   g = np.arange(nq)[None, :]
   want = np.asarray(pattern(jnp.asarray(k), jnp.asarray(g)).astype(
-      quant.FP8_DTYPE).astype(jnp.float32))             # [keys, NQ]
+      dtype).astype(jnp.float32))                       # [keys, NQ]
   want = want.reshape(pps, ps, nq).transpose(0, 2, 1)
   np.testing.assert_array_equal(got, want)

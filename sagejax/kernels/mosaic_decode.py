@@ -26,8 +26,9 @@ the small ``N`` of the ``wgmma``, not 64 padded rows:
 so that ``oᵀ · c`` is the running (448-scaled) P·V; a step is the
 normalization block of :class:`sagejax.serving.reference.PagedMath`
 (``block_k =`` :func:`step_keys`). P is written to shared memory transposed
-(``[NQ, keys]``, the K-major B operand that 8-bit ``wgmma`` requires) by
-byte stores at the hardware swizzle (:func:`_store_transposed`); the
+(``[NQ, keys]``, the K-major B operand that 8-bit ``wgmma`` requires, and
+whose swizzle matches the V tile's) by element stores at the hardware
+swizzle (:func:`_store_transposed`); the
 maxima and sums over keys cross the warpgroup's warps through each
 consumer's own shared memory (:func:`_over_keys`). Each consumer writes its
 normalized partial output and base-2 LSE; the partials of all consumers and
@@ -145,24 +146,32 @@ class DecodeTiling:
     return min(232, free // 8 * 8)
 
 
-def _smem_bytes(page_size: int, head_dim: int, nq: int, consumers: int,
-                stages: int) -> int:
+def _stage_bytes(page_size: int, head_dim: int, itemsize: int) -> int:
+  """A ring slot: a step's K and V (and, 8-bit, their f32 scales)."""
   sk = step_keys(page_size)
-  fixed = (2 * (nq * head_dim + MAX_GROUPS * 4) + consumers * (
-      sk * nq + head_dim * nq * 4 + MAX_GROUPS * 4 + 64 * (nq + 8)) + 1024)
-  return fixed + stages * (2 * sk * head_dim + 8 * sk)
+  return 2 * sk * head_dim * itemsize + (8 * sk if itemsize == 1 else 0)
+
+
+def _smem_bytes(page_size: int, head_dim: int, nq: int, consumers: int,
+                stages: int, itemsize: int = 1) -> int:
+  sk = step_keys(page_size)
+  fixed = (2 * (nq * head_dim * itemsize + MAX_GROUPS * 4) + consumers * (
+      sk * nq * itemsize + head_dim * nq * 4 + MAX_GROUPS * 4
+      + 64 * (nq + 8)) + 1024)
+  return fixed + stages * _stage_bytes(page_size, head_dim, itemsize)
 
 
 def default_stages(page_size: int, head_dim: int, nq: int = 8,
-                   consumers: int = 2) -> int:
+                   consumers: int = 2, itemsize: int = 1) -> int:
   """Ring depth: at least 4 steps and 64 KiB in flight (on an H200 with
   pages of 64, 4 and 8 stages ran within 2% of each other), a multiple of
-  ``consumers``, within shared memory."""
-  stage = 2 * step_keys(page_size) * head_dim + 8 * step_keys(page_size)
+  ``consumers``, within shared memory (``itemsize``: 1 for INT8/FP8
+  pages, 2 for 16-bit ones)."""
+  stage = _stage_bytes(page_size, head_dim, itemsize)
   want = max(4, -(-(64 << 10) // stage))
   stages = -(-want // consumers) * consumers
   while stages > consumers and _smem_bytes(
-      page_size, head_dim, nq, consumers, stages) > _SMEM_BYTES:
+      page_size, head_dim, nq, consumers, stages, itemsize) > _SMEM_BYTES:
     stages -= consumers
   return stages
 
@@ -182,25 +191,29 @@ def choose_splits(pairs: int, steps: int, ctas: int,
   return best
 
 
-def _store_transposed(p8: jax.Array, ref, page_size: int) -> None:
-  """``ref[k // page_size, g, k % page_size] = p8[k, g]`` for the FP8 ``p8
-  [keys, NQ]`` (WGMMA layout) and ``ref [keys / page_size, NQ, page_size]``,
-  each page a tile of ``page_size``-byte rows swizzled by as many bytes (the
-  ``wgmma`` B-operand layout of :func:`wgmma_smem`): one byte store per
-  element, at the address the hardware's swizzle gives (the 16-byte chunk
-  index XOR address bits 7 and up), so no transposing store is needed."""
-  keys, nq = p8.shape
-  chunk_mask = page_size // 16 - 1
-  page_shift = int(np.log2(page_size))
+def _store_transposed(p: jax.Array, ref, page_size: int) -> None:
+  """``ref[k // page_size, g, k % page_size] = p[k, g]`` for ``p [keys,
+  NQ]`` (WGMMA layout; FP8 or 16-bit) and ``ref [keys / page_size, NQ,
+  page_size]``, each page a :func:`wgmma_smem` tile (rows of ``page_size``
+  elements in swizzled tiles of 8 rows × ``min(128, row bytes)``): one store
+  per element, at the address the hardware's swizzle gives (the 16-byte
+  chunk index XOR address bits 7 and up), so no transposing store is
+  needed."""
+  keys, nq = p.shape
+  itemsize = jnp.dtype(p.dtype).itemsize
+  swizzle = min(128, page_size * itemsize)
+  per_tile = swizzle // itemsize          # elements of a row in one tile
+  tiles_per_row = page_size // per_tile
+  chunk_mask = swizzle // 16 - 1
 
   @plgpu.inline_mgpu(arg_types=(
       plgpu.Layout.WGMMA,
-      plgpu.RefType((plgpu.TilingTransform((8, page_size)),
-                     plgpu.SwizzleTransform(page_size)))))
+      plgpu.RefType((plgpu.TilingTransform((8, per_tile)),
+                     plgpu.SwizzleTransform(swizzle)))))
   def store(_, p, smem):
     mgpu, _, ir, arith, vector = _mgpu()
     from jax._src.lib.mlir.dialects import llvm  # lowering-time only
-    i8 = ir.IntegerType.get_signless(8)
+    word = ir.IntegerType.get_signless(8 * itemsize)
     i64 = ir.IntegerType.get_signless(64)
     c = lambda v: arith.constant(i64, v)  # noqa: E731
     tid = arith.extui(i64, mgpu.utils.thread_idx())
@@ -214,22 +227,28 @@ def _store_transposed(p8: jax.Array, ref, page_size: int) -> None:
     for tile, n8, half in np.ndindex(regs.shape):
       reg = regs[tile, n8, half]
       key = arith.addi(row, c(64 * tile + 8 * half))
-      page = arith.shrui(key, c(page_shift))
-      slot = arith.andi(key, c(page_size - 1))
+      page = arith.divui(key, c(page_size))
+      slot = arith.remui(key, c(page_size))
       for e in range(2):
         g = arith.addi(col, c(8 * n8 + e))
+        block = arith.addi(   # which 8-row tile of the page
+            arith.muli(arith.divui(g, c(8)), c(tiles_per_row)),
+            arith.divui(slot, c(per_tile)))
         offset = arith.addi(
-            arith.muli(page, c(nq * page_size)),
-            arith.addi(arith.muli(g, c(page_size)), slot))
+            arith.addi(arith.muli(page, c(nq * page_size * itemsize)),
+                       arith.muli(block, c(8 * swizzle))),
+            arith.addi(arith.muli(arith.remui(g, c(8)), c(swizzle)),
+                       arith.muli(arith.remui(slot, c(per_tile)),
+                                  c(itemsize))))
         addr = arith.addi(base, offset)
         chunk = arith.shli(
             arith.andi(arith.shrui(addr, c(7)), c(chunk_mask)), c(4))
         value = vector.extract(reg, dynamic_position=[],
                                static_position=ir.DenseI64ArrayAttr.get([e]))
-        llvm.store(arith.bitcast(i8, value),
+        llvm.store(arith.bitcast(word, value),
                    llvm.inttoptr(ptr.type, arith.xori(addr, chunk)))
 
-  store(p8, ref)
+  store(p, ref)
 
 
 def _over_keys(x: jax.Array, vs: Optional[jax.Array], scratch, op: str
@@ -346,33 +365,49 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
   b, kh, nq, h = q.shape
   _, num_pages, ps, _ = k_pages.shape
   max_pages = page_table.shape[1]
+  quantized = k_scales is not None
   sk = step_keys(ps)
   pps = sk // ps               # pages per step
   cons = tiling.num_consumers
-  stages = tiling.num_stages or default_stages(ps, h, nq, cons)
+  stages = tiling.num_stages or default_stages(ps, h, nq, cons,
+                                               k_pages.dtype.itemsize)
   if nq % 8 or not 8 <= nq <= MAX_GROUPS:
     raise ValueError(f"q must be [B, K, NQ, H] with NQ a multiple of 8 up to "
                      f"{MAX_GROUPS}, got {q.shape}.")
-  if ps not in PAGE_SIZES or h not in HEAD_DIMS:
+  if ps not in PAGE_SIZES or h not in HEAD_DIMS or (
+      not quantized and ps != sk):
     raise ValueError(f"page_size {ps} / head dim {h}: the kernel takes "
-                     f"pages of {PAGE_SIZES} tokens and head dims "
-                     f"{HEAD_DIMS}.")
-  if v_pages.shape != (kh, num_pages, h, ps) or (
-      v_pages.dtype != quant.FP8_DTYPE) or k_pages.dtype != jnp.int8:
+                     f"pages of {PAGE_SIZES} tokens (16-bit: at least 64) "
+                     f"and head dims {HEAD_DIMS}.")
+  if quantized and (v_pages.shape != (kh, num_pages, h, ps) or (
+      v_pages.dtype != quant.FP8_DTYPE) or k_pages.dtype != jnp.int8):
     raise ValueError("k_pages must be int8 [K, P, page_size, H] and v_pages "
                      "float8_e4m3fn [K, P, H, page_size] (transposed).")
+  if not quantized and (v_pages.shape != k_pages.shape or k_pages.dtype
+                        not in (jnp.bfloat16, jnp.float16) or
+                        v_pages.dtype != k_pages.dtype or q.dtype !=
+                        k_pages.dtype or v_scales is not None):
+    raise ValueError("16-bit pages: k_pages and v_pages [K, P, page_size, "
+                     "H] of one 16-bit dtype, q in it, no scales.")
+  page_dtype = k_pages.dtype
   spec = MaskSpec(is_causal=True, causal_alignment="bottom_right",
                   window=None if window is None else (int(window), 0),
                   q_len=1, kv_len=0)
   num_blocks = -(-max_pages // pps)
+  acc_dtype = jnp.int32 if quantized else jnp.float32
   key_layout = plgpu.Layout.WGMMA.reduce(1)    # [keys]: one per row
   head_layout = plgpu.Layout.WGMMA.reduce(0)   # [NQ]: one per column
 
   items = num_splits * kh * b
   ctas = min(items, tiling.num_ctas or sm_count())
 
-  def kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, pt_ref, kl_ref,
-             out_ref, lse_ref, scratch):
+  def kernel(*refs):
+    if quantized:
+      (q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, pt_ref, kl_ref, out_ref,
+       lse_ref, scratch) = refs
+    else:
+      (q_ref, qs_ref, k_ref, v_ref, pt_ref, kl_ref, out_ref, lse_ref,
+       scratch) = refs
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, p_smem, o_smem,
      lse_smem, x_smem) = scratch[0]
     q_bar, q_free, full, free = scratch[1:]
@@ -401,6 +436,10 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
     def _consumer():
       plgpu.set_max_registers(tiling.registers(), action="increase")
 
+      def heads(x):
+        return plgpu.layout_cast(jnp.full((nq,), x, jnp.float32),
+                                 head_layout)
+
       def run_item(it, done):
         """One work item; ``done``: ring steps of this CTA's earlier items
         (the ring's slots and their consumers run on across items)."""
@@ -428,50 +467,71 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
                         plgpu.transpose_ref(q_smem.at[qslot], (1, 0)))
             return s_ref[...]
 
-          s = pl.run_scoped(qk, plgpu.ACC((sk, nq), jnp.int32))
-          ks = load_all(ks_smem.at[slot], key_layout)
-          vs = load_all(vs_smem.at[slot], key_layout)
-          t = s.astype(jnp.float32) * lax.broadcast_in_dim(ks, (sk, nq), [0])
+          s = pl.run_scoped(qk, plgpu.ACC((sk, nq), acc_dtype))
+          t = s.astype(jnp.float32)
+          vs = None
+          if quantized:
+            ks = load_all(ks_smem.at[slot], key_layout)
+            vs = load_all(vs_smem.at[slot], key_layout)
+            t = t * lax.broadcast_in_dim(ks, (sk, nq), [0])
           if masked:
             keys = j * sk + plgpu.broadcasted_iota(jnp.int32, (sk,), 0,
                                                    layout=key_layout)
             seen = spec.visible_at(jnp.int32(0), keys, jnp.int32(1), length)
             t = jnp.where(lax.broadcast_in_dim(seen, (sk, nq), [0]), t,
                           -jnp.inf)
-            vs = jnp.where(keys < length, vs, 0.0)   # stale slots: no scale
+            if quantized:
+              vs = jnp.where(keys < length, vs, 0.0)  # stale: no scale
 
             @pl.when((j + 1) * sk > length)
             def _zero_stale_values():
-              # 8-bit values admit only bitwise operations: AND a mask.
               for page in range(pps):
                 tile = v_smem.at[slot, page]
-                vt = lax.bitcast_convert_type(
-                    load_all(tile, plgpu.Layout.WGMMA), jnp.int8)
-                key = j * sk + page * ps + plgpu.broadcasted_iota(
-                    jnp.int32, (h, ps), 1, layout=plgpu.Layout.WGMMA)
-                keep = jnp.where(key < length, -1, 0).astype(jnp.int8)
-                tile[...] = lax.bitcast_convert_type(vt & keep,
-                                                     quant.FP8_DTYPE)
+                if quantized:   # 8 bits: only bitwise operations, AND
+                  vt = lax.bitcast_convert_type(
+                      load_all(tile, plgpu.Layout.WGMMA), jnp.int8)
+                  key = j * sk + page * ps + plgpu.broadcasted_iota(
+                      jnp.int32, (h, ps), 1, layout=plgpu.Layout.WGMMA)
+                  keep = jnp.where(key < length, -1, 0).astype(jnp.int8)
+                  tile[...] = lax.bitcast_convert_type(vt & keep,
+                                                       quant.FP8_DTYPE)
+                else:           # [page_size, H]
+                  vt = load_all(tile, plgpu.Layout.WGMMA)
+                  key = j * sk + plgpu.broadcasted_iota(
+                      jnp.int32, (ps, h), 0, layout=plgpu.Layout.WGMMA)
+                  tile[...] = jnp.where(key < length, vt,
+                                        jnp.zeros((), page_dtype))
               plgpu.commit_smem()
 
-          t_max, c = _over_keys(t, vs, x_smem.at[wg, lax.rem(i, 2)], "max")
+          scratch = x_smem.at[wg, lax.rem(i, 2)]
+          if quantized:
+            t_max, c = _over_keys(t, vs, scratch, "max")
+            c = jnp.where(c > 0, c, 1.0)
+            # p = 448 · p̃ / c: the normalization by c rides in the exponent.
+            shift_c = jnp.log2(c) - _LOG2_P_SCALE
+          else:
+            [t_max] = _over_keys(t, None, scratch, "max")
+            c, shift_c = heads(1.0), 0.0
           m_new = jnp.maximum(m, qs * t_max)
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
           alpha = jnp.exp2(m - m_use)
-          c = jnp.where(c > 0, c, 1.0)
-          # p = 448 · p̃ / c: the normalization by c rides in the exponent.
-          shift = m_use - _LOG2_P_SCALE + jnp.log2(c)
           p = jnp.exp2(t * lax.broadcast_in_dim(qs, (sk, nq), [1])
-                       - lax.broadcast_in_dim(shift, (sk, nq), [1]))
-          l_acc = (l_acc * lax.broadcast_in_dim(alpha, (sk, nq), [1])
-                   + p * lax.broadcast_in_dim(c, (sk, nq), [1]))
-          p = p * lax.broadcast_in_dim(vs, (sk, nq), [0])
-          _store_transposed(p.astype(quant.FP8_DTYPE), p_smem.at[wg], ps)
+                       - lax.broadcast_in_dim(m_use + shift_c, (sk, nq), [1]))
+          if quantized:
+            l_acc = (l_acc * lax.broadcast_in_dim(alpha, (sk, nq), [1])
+                     + p * lax.broadcast_in_dim(c, (sk, nq), [1]))
+            p = p * lax.broadcast_in_dim(vs, (sk, nq), [0])
+            _store_transposed(p.astype(quant.FP8_DTYPE), p_smem.at[wg], ps)
+          else:
+            l_acc = l_acc * lax.broadcast_in_dim(alpha, (sk, nq), [1]) + p
+            _store_transposed(p.astype(page_dtype), p_smem.at[wg], ps)
           plgpu.commit_smem()
 
           def pv(pv_ref):
             for page in range(pps):
-              plgpu.wgmma(pv_ref, v_smem.at[slot, page],
+              v_tile = v_smem.at[slot, page]   # 8-bit: Vᵀ; 16-bit: V
+              plgpu.wgmma(pv_ref, v_tile if quantized
+                          else plgpu.transpose_ref(v_tile, (1, 0)),
                           plgpu.transpose_ref(p_smem.at[wg, page], (1, 0)))
 
           block = pl.run_state(pv)(plgpu.ACC.init(
@@ -480,10 +540,6 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
           plgpu.barrier_arrive(free.at[slot])
           factor = lax.broadcast_in_dim(alpha * c_prev / c, (h, nq), [1])
           return acc * factor + block, m_new, l_acc, c
-
-        def heads(x):
-          return plgpu.layout_cast(jnp.full((nq,), x, jnp.float32),
-                                   head_layout)
 
         carry = (plgpu.layout_cast(jnp.zeros((h, nq), jnp.float32),
                                    plgpu.Layout.WGMMA),
@@ -509,7 +565,9 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.commit_smem()
         o_smem.at[wg][...] = acc * lax.broadcast_in_dim(scale, (h, nq), [1])
-        lse = m + jnp.log2(jnp.where(seen, l, 1.0)) - _LOG2_P_SCALE
+        lse = m + jnp.log2(jnp.where(seen, l, 1.0))
+        if quantized:
+          lse = lse - _LOG2_P_SCALE
         lse_smem.at[wg, pl.ds(0, nq)][...] = jnp.where(seen, lse, -jnp.inf)
         plgpu.commit_smem()
         part = cons * split + wg
@@ -554,26 +612,30 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
             rows = pl.ds(i * ps, ps)
             plgpu.copy_gmem_to_smem(k_ref.at[head, page],
                                     k_smem.at[slot, rows], bar)
-            plgpu.copy_gmem_to_smem(ks_ref.at[head, page],
-                                    ks_smem.at[slot, rows], bar)
             plgpu.copy_gmem_to_smem(v_ref.at[head, page],
                                     v_smem.at[slot, i], bar)
-            plgpu.copy_gmem_to_smem(vs_ref.at[head, page],
-                                    vs_smem.at[slot, rows], bar)
+            if quantized:
+              plgpu.copy_gmem_to_smem(ks_ref.at[head, page],
+                                      ks_smem.at[slot, rows], bar)
+              plgpu.copy_gmem_to_smem(vs_ref.at[head, page],
+                                      vs_smem.at[slot, rows], bar)
 
         return done + (s_hi - s_lo)
 
       lax.fori_loop(0, n_items, load_item, jnp.int32(0))
 
   def entry(*refs):
+    v_tile = (pps, h, ps) if quantized else (1, ps, h)
+    p_tile = (pps, nq, ps)
+    p_dtype = quant.FP8_DTYPE if quantized else page_dtype
     smem = (
-        wgmma_smem((2, nq, h), jnp.int8),
+        wgmma_smem((2, nq, h), q.dtype),
         plgpu.SMEM((2, MAX_GROUPS), jnp.float32),
-        wgmma_smem((stages, sk, h), jnp.int8),
-        plgpu.SMEM((stages, sk), jnp.float32),
-        wgmma_smem((stages, pps, h, ps), quant.FP8_DTYPE),
-        plgpu.SMEM((stages, sk), jnp.float32),
-        wgmma_smem((cons, pps, nq, ps), quant.FP8_DTYPE),
+        wgmma_smem((stages, sk, h), page_dtype),
+        plgpu.SMEM((stages, sk), jnp.float32) if quantized else None,
+        wgmma_smem((stages,) + v_tile, v_pages.dtype),
+        plgpu.SMEM((stages, sk), jnp.float32) if quantized else None,
+        wgmma_smem((cons,) + p_tile, p_dtype),
         plgpu.SMEM((cons, h, nq), jnp.float32),
         plgpu.SMEM((cons, MAX_GROUPS), jnp.float32),
         plgpu.SMEM((cons, 4, 4, nq + 8), jnp.float32),   # _over_keys
@@ -582,7 +644,8 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
         lambda *scratch: kernel(*refs, scratch), smem,
         plgpu.Barrier(num_arrivals=2, num_barriers=2),
         plgpu.Barrier(num_arrivals=cons, num_barriers=2),
-        plgpu.Barrier(num_arrivals=4 * pps, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=(4 if quantized else 2) * pps,
+                      num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         collective_axes="wg")
 
@@ -597,4 +660,5 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
       num_threads=cons + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, q_scale, k_pages, k_scales, v_pages, v_scales, page_table, kv_len)
+  )(*(x for x in (q, q_scale, k_pages, k_scales, v_pages, v_scales,
+                  page_table, kv_len) if x is not None))

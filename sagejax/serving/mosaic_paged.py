@@ -1,15 +1,16 @@
-"""Extend and decode attention over a quantized paged cache on Hopper (Mosaic GPU).
+"""Extend and decode attention over a paged cache on Hopper (Mosaic GPU).
 
 **Decode** (one query token per sequence) is bound by reading the cache: it
 runs :mod:`sagejax.kernels.mosaic_decode`, which copies whole INT8 K / FP8 Vᵀ
-pages straight from the pool with TMA (no gather) and runs INT8 Q·Kᵀ and FP8
-P̃·V with the keys as the rows of its ``wgmma`` tiles and the GQA group's
-query heads as their columns (P̃ normalized per step of
-:func:`~sagejax.kernels.mosaic_decode.step_keys` keys by their largest V
-scale: ``PagedMath.block_k``). Queries are quantized per row before it; the
-partial outputs of its consumers and splits are merged by LSE after it.
-Pages of 32, 64 or 128 tokens, head dims 64 and 128, at most 32 query heads
-per KV head, no soft-cap (:func:`decode_unsupported`).
+pages (or 16-bit pages) straight from the pool with TMA (no gather) and runs
+INT8 Q·Kᵀ and FP8 P̃·V (or 16-bit products) with the keys as the rows of its
+``wgmma`` tiles and the GQA group's query heads as their columns (P̃
+normalized per step of :func:`~sagejax.kernels.mosaic_decode.step_keys` keys
+by their largest V scale: ``PagedMath.block_k``). Queries are quantized per
+row before it; the partial outputs of its consumers and splits are merged by
+LSE after it. INT8/FP8 pages of 32, 64 or 128 tokens (16-bit: 64 or 128),
+head dims 64 and 128, at most 32 query heads per KV head, no soft-cap
+(:func:`decode_unsupported`).
 
 **Extend**:
 
@@ -219,18 +220,27 @@ def extend_attention(q: jax.Array, q_len: jax.Array, kv_len: jax.Array,
 def decode_unsupported(cache: PagedKVCache, math: PagedMath, groups: int
                        ) -> Optional[str]:
   """Why the Mosaic decode cannot serve a call, or None."""
-  reason = unsupported(cache, math)
-  if reason is not None:
-    return reason
-  if not cache.v_transposed:
-    return ("the Mosaic decode reads transposed V pages (the layout "
-            "PagedKVCache.create makes), not a contiguous cache's")
-  if cache.page_size not in mosaic_decode.PAGE_SIZES:
-    return (f"page size {cache.page_size} (the Mosaic decode copies pages of "
-            f"{mosaic_decode.PAGE_SIZES} tokens)")
-  if math.pv_dtype != "fp8_e4m3":
-    return (f"pv_dtype {math.pv_dtype!r} (the Mosaic decode runs FP8 P̃ "
-            "against the FP8 V pages)")
+  if math.soft_cap is not None:
+    return "logit soft-cap is applied by the Triton kernel only"
+  if cache.head_dim not in HEAD_DIMS:
+    return f"head dim {cache.head_dim} is not one of {HEAD_DIMS}"
+  if cache.layout != "KPSH" or (cache.quantized and not cache.v_transposed):
+    return ("the Mosaic decode reads the pages PagedKVCache.create lays out "
+            "(quantized: V transposed), not a contiguous cache's")
+  ps = cache.page_size
+  if cache.quantized:
+    if ps not in mosaic_decode.PAGE_SIZES:
+      return (f"page size {ps} (the Mosaic decode copies INT8/FP8 pages of "
+              f"{mosaic_decode.PAGE_SIZES} tokens)")
+    if math.pv_dtype != "fp8_e4m3":
+      return (f"pv_dtype {math.pv_dtype!r} (the Mosaic decode runs FP8 P̃ "
+              "against the FP8 V pages)")
+  else:
+    if cache.k_pages.dtype not in (jnp.bfloat16, jnp.float16):
+      return f"{cache.k_pages.dtype} pages (the Mosaic decode takes 16 bits)"
+    if ps not in mosaic_decode.PAGE_SIZES or ps < 64:
+      return (f"page size {ps} (the Mosaic decode copies 16-bit pages of 64 "
+              "or 128 tokens)")
   if groups > mosaic_decode.MAX_GROUPS:
     return (f"{groups} query heads per KV head (the Mosaic decode takes at "
             f"most {mosaic_decode.MAX_GROUPS})")
@@ -259,7 +269,8 @@ def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
   Args:
     q: ``[B, N, H]``.
     kv_len: int32 ``[B]``.
-    cache, page_table: a quantized cache (transposed V pages) and int32
+    cache, page_table: a cache made by :meth:`PagedKVCache.create`
+      (quantized: transposed FP8 V pages; or 16-bit pages) and int32
       ``[B, max_pages]``.
     math: the call's arithmetic; ``block_k`` must be
       :func:`mosaic_decode.step_keys` of the page size.
@@ -284,15 +295,22 @@ def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
   ones = jnp.ones_like(kv_len)
   bad = bad_sequences(page_table, kv_len, ones, ones, cache.num_pages, ps)
   kv_len = jnp.where(bad, 0, kv_len).astype(jnp.int32)
-  q8, qs = quantize_query(q.reshape(b, kh, groups, h), math.sm_scale)
-  q8 = jnp.pad(q8, ((0, 0), (0, 0),
-                   (0, mosaic_decode.padded_groups(groups) - groups), (0, 0)))
-  qs = jnp.pad(qs, ((0, 0), (0, 0), (0, mosaic_decode.MAX_GROUPS - groups)),
-               constant_values=1.0)
+  q = q.reshape(b, kh, groups, h)
+  if cache.quantized:
+    q, qs = quantize_query(q, math.sm_scale)
+    qs = jnp.pad(qs, ((0, 0), (0, 0),
+                      (0, mosaic_decode.MAX_GROUPS - groups)),
+                 constant_values=1.0)
+  else:
+    q = q.astype(cache.k_pages.dtype)
+    qs = jnp.full((b, kh, mosaic_decode.MAX_GROUPS),
+                  math.sm_scale * quant.LOG2E, jnp.float32)
+  nq = mosaic_decode.padded_groups(groups)
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, nq - groups), (0, 0)))
   splits = tiling.num_splits or decode_splits(b, kh, page_table.shape[1], ps,
                                               math.window, tiling.num_ctas)
   out, lse = mosaic_decode.decode_forward(
-      q8, qs, cache.k_pages, cache.k_scales, cache.v_pages, cache.v_scales,
+      q, qs, cache.k_pages, cache.k_scales, cache.v_pages, cache.v_scales,
       page_table.astype(jnp.int32), kv_len, window=math.window,
       num_splits=splits, tiling=tiling)
   parts = out.shape[0]   # [parts, B, K, H, NQ] -> [parts, B, N, H]
