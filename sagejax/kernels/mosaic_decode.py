@@ -334,15 +334,17 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
                    k_scales: jax.Array, v_pages: jax.Array,
                    v_scales: jax.Array, page_table: jax.Array,
                    kv_len: jax.Array, *, window: Optional[int] = None,
-                   num_splits: int = 1,
+                   num_splits: int = 1, nq: Optional[int] = None,
                    tiling: DecodeTiling = DecodeTiling()
                    ) -> tuple[jax.Array, jax.Array]:
   """Runs the decode kernel.
 
   Args:
-    q: int8 ``[B, K, NQ, H]``: row g is query head ``k·G + g`` (quantized
-      per row) for g < G, zeros after; NQ a multiple of 8, at most
-      :data:`MAX_GROUPS`.
+    q: int8 ``[B, K, R, H]`` (or the 16-bit pages' dtype): row g is query
+      head ``k·G + g`` (quantized per row) for g < G, zeros after; the
+      kernel reads the first ``NQ`` rows (``nq``, a multiple of 8, at most
+      :data:`MAX_GROUPS`; R ≥ NQ lets the caller quantize Q and its scales
+      padded alike).
     q_scale: f32 ``[B, K, MAX_GROUPS]`` (with ``sm_scale·log2 e``); 1 on
       padding (a TMA copy moves at least 128 bytes).
     k_pages: int8 ``[K, P, page_size, H]``; ``k_scales``, ``v_scales``: f32
@@ -362,7 +364,8 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
     undefined), ``parts = num_splits · num_consumers`` (partial
     ``consumers · split + consumer``).
   """
-  b, kh, nq, h = q.shape
+  b, kh, rows, h = q.shape
+  nq = nq or rows
   _, num_pages, ps, _ = k_pages.shape
   max_pages = page_table.shape[1]
   quantized = k_scales is not None
@@ -371,7 +374,7 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
   cons = tiling.num_consumers
   stages = tiling.num_stages or default_stages(ps, h, nq, cons,
                                                k_pages.dtype.itemsize)
-  if nq % 8 or not 8 <= nq <= MAX_GROUPS:
+  if nq % 8 or not 8 <= nq <= min(rows, MAX_GROUPS):
     raise ValueError(f"q must be [B, K, NQ, H] with NQ a multiple of 8 up to "
                      f"{MAX_GROUPS}, got {q.shape}.")
   if ps not in PAGE_SIZES or h not in HEAD_DIMS or (
@@ -591,7 +594,8 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
         def _():
           plgpu.barrier_wait(q_free.at[qslot])
 
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem.at[qslot],
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(0, nq)],
+                                q_smem.at[qslot],
                                 q_bar.at[qslot])
         plgpu.copy_gmem_to_smem(qs_ref.at[batch, head], qs_smem.at[qslot],
                                 q_bar.at[qslot])

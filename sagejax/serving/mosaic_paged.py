@@ -295,24 +295,23 @@ def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
   ones = jnp.ones_like(kv_len)
   bad = bad_sequences(page_table, kv_len, ones, ones, cache.num_pages, ps)
   kv_len = jnp.where(bad, 0, kv_len).astype(jnp.int32)
-  q = q.reshape(b, kh, groups, h)
+  # Q padded with zero rows to the kernel's MAX_GROUPS (it reads NQ of
+  # them), then quantized: one pass makes both Q and its 128-byte scale rows.
+  q = jnp.pad(q.reshape(b, kh, groups, h),
+              ((0, 0), (0, 0), (0, mosaic_decode.MAX_GROUPS - groups), (0, 0)))
   if cache.quantized:
     q, qs = quantize_query(q, math.sm_scale)
-    qs = jnp.pad(qs, ((0, 0), (0, 0),
-                      (0, mosaic_decode.MAX_GROUPS - groups)),
-                 constant_values=1.0)
   else:
     q = q.astype(cache.k_pages.dtype)
     qs = jnp.full((b, kh, mosaic_decode.MAX_GROUPS),
                   math.sm_scale * quant.LOG2E, jnp.float32)
-  nq = mosaic_decode.padded_groups(groups)
-  q = jnp.pad(q, ((0, 0), (0, 0), (0, nq - groups), (0, 0)))
   splits = tiling.num_splits or decode_splits(b, kh, page_table.shape[1], ps,
                                               math.window, tiling.num_ctas)
   out, lse = mosaic_decode.decode_forward(
       q, qs, cache.k_pages, cache.k_scales, cache.v_pages, cache.v_scales,
       page_table.astype(jnp.int32), kv_len, window=math.window,
-      num_splits=splits, tiling=tiling)
+      num_splits=splits, nq=mosaic_decode.padded_groups(groups),
+      tiling=tiling)
   parts = out.shape[0]   # [parts, B, K, H, NQ] -> [parts, B, N, H]
   out = jnp.swapaxes(out[..., :groups], -1, -2).reshape(parts, b, n, h)
   merged = merge_splits(out, lse[..., :groups].reshape(parts, b, n),
