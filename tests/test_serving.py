@@ -847,15 +847,31 @@ def test_non_finite_inputs_show_as_in_exact_attention(next_key, quantized):
   """A NaN key, a NaN value channel and an Inf query give NaN exactly where
   dense attention over the same tokens does; they never reach the cache's
   smoothing vectors (set by this very append) or other sequences."""
-  q, k, v = (np.array(x) for x in _tokens(next_key(), 3, 1, 20, 4, 2, 32,
+  _check_non_finite(next_key(), quantized, IMPLS, page_size=16, head_dim=32,
+                    dtype=jnp.float32)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("quantized", [False, True])
+def test_gpu_mosaic_decode_non_finite_inputs(next_key, quantized):
+  """The same on the Mosaic decode (pages of 64, INT8/FP8 or bf16)."""
+  _check_non_finite(next_key(), quantized, [("mosaic", False)],
+                    page_size=64, head_dim=64, dtype=jnp.bfloat16)
+
+
+def _check_non_finite(key, quantized, impls, *, page_size, head_dim, dtype):
+  q, k, v = (np.array(x) for x in _tokens(key, 3, 1, 20, 4, 2, head_dim,
                                           "channel_bias"))
   k[0, 3, 1, 5] = np.nan           # sequence 0, token 3, KV head 1
   v[1, 2, 0, 7] = np.nan           # sequence 1, token 2, KV head 0, channel 7
   q[2, 0, 3, 0] = np.inf           # sequence 2, query head 3
-  table = jnp.asarray([[0, 1], [2, 3], [4, 5]], jnp.int32)
-  cache = serving.PagedKVCache.create(num_pages=6, page_size=16,
-                                      num_kv_heads=2, head_dim=32,
-                                      quantized=quantized, dtype=jnp.float32)
+  per_seq = -(-20 // page_size)
+  table = jnp.arange(3 * per_seq, dtype=jnp.int32).reshape(3, per_seq)
+  cache = serving.PagedKVCache.create(num_pages=3 * per_seq,
+                                      page_size=page_size, num_kv_heads=2,
+                                      head_dim=head_dim, quantized=quantized,
+                                      dtype=dtype)
   cache = serving.append(cache, jnp.asarray(k), jnp.asarray(v), table,
                          jnp.zeros(3, jnp.int32))
   if quantized:
@@ -866,7 +882,7 @@ def test_non_finite_inputs_show_as_in_exact_attention(next_key, quantized):
                  jnp.ones(3, jnp.int32), lens)[:, 0]
   want = np.isnan(np.asarray(exact)) | np.isinf(np.asarray(exact))
   assert want.any() and not want.all()
-  for impl, interpret in IMPLS:
+  for impl, interpret in impls:
     out = np.asarray(serving.decode_attention(
         jnp.asarray(q[:, 0]), cache, table, lens, implementation=impl,
         interpret=interpret))

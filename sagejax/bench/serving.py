@@ -11,7 +11,8 @@ table.
 
 Methods: each sagejax backend through :mod:`sagejax.serving` (``"xla"``,
 ``"pallas"``, ``"pallas-interpret"``: ``"pallas"`` under the interpreter,
-``"mosaic"``: extend on quantized pages only) on each cache, with
+``"mosaic"``: decode on pages of 32-128 tokens, 16-bit ones of 64-128
+— ``--page-size 128`` —, extend on quantized pages) on each cache, with
 ``config=None`` and the default tiling; baselines ``jax.nn`` cuDNN and xla on
 the dense contiguous bf16 k, v (not causal: ``jax.nn``'s cuDNN path has no
 bottom-right causal mask; for decode, T = 1, nothing to mask) and JAX's own
@@ -236,8 +237,14 @@ def _sage(backend: str, quantized: bool) -> Build:
   implementation = "pallas" if backend == INTERPRET else backend
 
   def build(shape: ServingShape, decode: bool):
-    if backend == "mosaic" and not quantized:
-      raise Skip("Mosaic reads only quantized (INT8 K / FP8 V) pages")
+    if backend == "mosaic":
+      smallest = 32 if quantized else 64
+      if decode and shape.page_size < smallest:
+        raise Skip(f"the Mosaic decode copies pages of at least {smallest} "
+                   f"tokens; pass --page-size 128")
+      if not decode and not quantized:
+        raise Skip("the Mosaic extend reads only quantized (INT8 K / FP8 V) "
+                   "pages")
     attend = serving.decode_attention if decode else serving.extend_attention
     fn = functools.partial(attend, implementation=implementation,
                            interpret=backend == INTERPRET)
