@@ -1,4 +1,4 @@
-"""Pallas Mosaic GPU kernel: decode attention over a paged INT8/FP8 KV cache (sm90).
+"""Pallas Mosaic GPU kernel: decode attention over a paged KV cache (sm90).
 
 Decoding reads every cached key and value once per generated token and does
 little arithmetic with them: it is bound by memory bandwidth, and an INT8 K /
@@ -12,11 +12,11 @@ A work item is one sequence's KV head and a contiguous slice of its pages
 from the page table and copies each page's K ``[page_size, H]`` (INT8), Vᵀ
 ``[H, page_size]`` (FP8: the cache's transposed V pages) and their per-token
 scales with TMA into a ``num_stages``-deep ring that runs on across a CTA's
-items (the next item's pages load while this one's last steps compute). ``num_consumers``
-consumer warpgroups take steps of ``max(64, page_size)`` keys in turn, each
-with its own online softmax. The products run with the *keys as rows*, so
-that the GQA group's few query heads (``NQ``, padded to a multiple of 8) are
-the small ``N`` of the ``wgmma``, not 64 padded rows:
+items (the next item's pages load while this one's last steps compute).
+``num_consumers`` consumer warpgroups take steps of ``max(64, page_size)``
+keys in turn, each with its own online softmax. The products run with the
+*keys as rows*, so that the GQA group's few query heads (``NQ``, padded to a
+multiple of 8) are the small ``N`` of the ``wgmma``, not 64 padded rows:
 
     sᵀ = (k8 · q8ᵀ)_int32 · k_scale[key] · q_scale[head]    [keys, NQ] (s8)
     m' = max(m, colmax sᵀ);  c = max v_scale over the step's keys
@@ -28,11 +28,16 @@ normalization block of :class:`sagejax.serving.reference.PagedMath`
 (``block_k =`` :func:`step_keys`). P is written to shared memory transposed
 (``[NQ, keys]``, the K-major B operand that 8-bit ``wgmma`` requires, and
 whose swizzle matches the V tile's) by element stores at the hardware
-swizzle (:func:`_store_transposed`); the
-maxima and sums over keys cross the warpgroup's warps through each
-consumer's own shared memory (:func:`_over_keys`). Each consumer writes its
-normalized partial output and base-2 LSE; the partials of all consumers and
-splits are merged by LSE outside (as the Triton kernel's splits are).
+swizzle (:func:`_store_transposed`); the maxima and sums over keys cross the
+warpgroup's warps through each consumer's own shared memory
+(:func:`_over_keys`). Each consumer writes its normalized partial output and
+base-2 LSE; the partials of all consumers and splits are merged by LSE
+outside (as the Triton kernel's splits are).
+
+16-bit pages (``k_scales`` None: bf16/fp16 K and V ``[page_size, H]``, pages
+of 64 or 128) take the same path with 16-bit products: Q in the pages'
+dtype, V transposed as the A operand (16-bit operands may be), P in the
+pages' dtype, no scales and no 448.
 
 Keys past the sequence's length (the stale slots of its last page) and
 before a local window are masked; the last step's stale V entries are zeroed

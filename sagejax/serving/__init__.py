@@ -12,7 +12,7 @@
 See :mod:`sagejax.serving.cache` (layout, quantization, smoothing),
 :mod:`sagejax.serving.attention` (the attention calls),
 :mod:`sagejax.serving.triton_paged` (the Triton kernel),
-:mod:`sagejax.serving.mosaic_paged` (extend on Hopper) and
+:mod:`sagejax.serving.mosaic_paged` (decode and extend on Hopper) and
 :mod:`sagejax.serving.reference` (its ``"xla"`` reference).
 """
 
@@ -23,10 +23,12 @@ from sagejax.serving.attention import (
     default_tiling,
     extend_attention,
 )
+from sagejax.kernels.mosaic_decode import DecodeTiling
 from sagejax.serving.cache import PagedKVCache, append
 from sagejax.serving.triton_paged import PagedTiling
 
 __all__ = [
+    "DecodeTiling",
     "MOSAIC_EXTEND_CONFIG",
     "PagedKVCache",
     "PagedTiling",

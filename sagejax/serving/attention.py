@@ -5,9 +5,10 @@ Both attend the newest tokens of each sequence (already appended with
 causal with the diagonal at the bottom right (token ``i`` of a sequence sees
 its tokens ``j <= i``), with GQA, an optional sliding window and logit
 soft-cap. ``implementation="pallas"`` runs :mod:`sagejax.serving.triton_paged`
-(NVIDIA sm80+), ``"mosaic"`` :mod:`sagejax.serving.mosaic_paged` (extend on a
-quantized cache, Hopper), ``"xla"`` :mod:`sagejax.serving.reference`
-(anywhere); None picks the Mosaic extend on Hopper for chunks of at least
+(NVIDIA sm80+), ``"mosaic"`` :mod:`sagejax.serving.mosaic_paged` (Hopper:
+decode on pages of 32-128 tokens, extend on a quantized cache), ``"xla"``
+:mod:`sagejax.serving.reference` (anywhere); None picks the Mosaic decode on
+Hopper where it serves the call and the Mosaic extend for chunks of at least
 :data:`MOSAIC_MIN_QUERY_TOKENS` tokens, else the Triton kernel, else
 ``"xla"``.
 """
@@ -25,8 +26,8 @@ import numpy as np
 
 from sagejax.backends._device import is_hopper, sm_count
 from sagejax.config import ConfigLike, SageConfig, resolve_config
-from sagejax.kernels.mosaic_attention import MosaicTiling
 from sagejax.kernels import mosaic_decode
+from sagejax.kernels.mosaic_attention import MosaicTiling
 from sagejax.kernels.mosaic_decode import DecodeTiling
 from sagejax.serving import mosaic_paged, reference, triton_paged
 from sagejax.serving.cache import (
@@ -409,15 +410,19 @@ def decode_attention(
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: Optional[float] = None,
     config: ConfigLike | None = None, implementation: Optional[str] = None,
-    tiling: Optional[PagedTiling] = None, interpret: bool = False
+    tiling: PagedTiling | DecodeTiling | None = None, interpret: bool = False
 ) -> jax.Array:
   """One query token per sequence against its ``lengths[b]`` cached tokens.
 
   ``q`` is ``[B, N, H]``: the newest token of each sequence (already
   appended, so it sees itself). Split-KV flash-decoding: several programs
-  share a sequence's pages and their partial outputs are merged by LSE. The
-  other arguments are :func:`extend_attention`'s. Returns ``[B, N, H]`` in
-  q's dtype.
+  share a sequence's pages and their partial outputs are merged by LSE. On
+  Hopper (``implementation=None`` or ``"mosaic"``) the Mosaic decode kernel
+  serves INT8/FP8 pages of 32-128 tokens and 16-bit pages of 64-128
+  (:func:`sagejax.serving.mosaic_paged.decode_unsupported` says why a call
+  goes to the Triton kernel instead); ``tiling`` is then a
+  :class:`DecodeTiling`. The other arguments are :func:`extend_attention`'s.
+  Returns ``[B, N, H]`` in q's dtype.
   """
   if q.ndim != 3:
     raise ValueError(f"q must be [B, N, H], got {q.shape}; use "
