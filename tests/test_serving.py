@@ -759,6 +759,92 @@ def test_mosaic_decode_tiling_and_splits():
             227 << 10)
 
 
+def _emulated_decode_forward(q, q_scale, k_pages, k_scales, v_pages,
+                             v_scales, page_table, kv_len, *, window=None,
+                             num_splits=1, nq=None, tiling=None):
+  """``mosaic_decode.decode_forward``'s outputs computed in jnp (f32 P, no
+  FP8 rounding): each sequence's keys split in two halves, the partials of
+  the kernel's first two parts (transposed ``[H, NQ]``, base-2 LSE padded to
+  32), any further parts empty."""
+  from sagejax.kernels import mosaic_decode
+  del tiling
+  b, kh, _, h = q.shape
+  nq = nq or q.shape[2]
+  ps = k_pages.shape[2]
+  table = jnp.clip(page_table, 0, k_pages.shape[1] - 1)
+  def gather(x):   # [K, P, ps, ...] -> [B, K, S, ...]
+    return jnp.moveaxis(x[:, table], 0, 1).reshape(
+        (b, kh, -1) + x.shape[3:])
+  quantized = k_scales is not None
+  k = gather(k_pages).astype(jnp.float32)
+  if quantized:
+    k = k * gather(k_scales)[..., None]
+    v = gather(jnp.swapaxes(v_pages, 2, 3)).astype(jnp.float32)
+    v = v * gather(v_scales)[..., None]
+  else:
+    v = gather(v_pages).astype(jnp.float32)
+  logits = jnp.einsum("bkgh,bksh->bkgs", q[:, :, :nq].astype(jnp.float32),
+                      k) * q_scale[:, :, :nq, None]
+  s = logits.shape[-1]
+  pos = jnp.arange(s)
+  ok = pos[None] < kv_len[:, None]
+  if window is not None:
+    ok &= pos[None] >= kv_len[:, None] - 1 - window
+  half = (kv_len // 2)[:, None]
+  outs, lses = [], []
+  for part in (pos[None] < half, pos[None] >= half):
+    seen = (ok & part)[:, None, None]
+    x = jnp.where(seen, logits, -jnp.inf)
+    m = jnp.max(x, -1, keepdims=True)
+    p = jnp.exp2(x - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(p, -1)
+    o = jnp.einsum("bkgs,bksh->bkhg", p, jnp.where(
+        (ok & part)[:, None, :, None], v, 0.0))
+    outs.append(o / jnp.where(l > 0, l, 1.0)[:, :, None])
+    lse = jnp.where(l > 0, m[..., 0] + jnp.log2(jnp.where(l > 0, l, 1.0)),
+                    -jnp.inf)
+    lses.append(jnp.pad(lse, ((0, 0), (0, 0),
+                              (0, mosaic_decode.MAX_GROUPS - nq)),
+                        constant_values=-jnp.inf))
+  parts = 2 * num_splits
+  empty_o = jnp.zeros_like(outs[0])
+  empty_l = jnp.full_like(lses[0], -jnp.inf)
+  return (jnp.stack(outs + [empty_o] * (parts - 2)),
+          jnp.stack(lses + [empty_l] * (parts - 2)))
+
+
+@pytest.mark.parametrize("quantized,window", [(True, None), (True, 40),
+                                              (False, None)])
+def test_mosaic_decode_inputs(monkeypatch, next_key, quantized, window):
+  """The Mosaic decode's wrapper on the CPU, with the kernel replaced by its
+  arithmetic in jnp: Q padded and quantized (or cast), the partials'
+  transposed layout, their LSE merge, ``v_smooth``, and NaN for a sequence
+  whose page table names a page outside the pool; against the ``"xla"``
+  reference (FP8 P̃ there, f32 in the emulation: ≤ 2e-2)."""
+  from sagejax.kernels import mosaic_decode
+  from sagejax.serving import attention as attention_lib
+  monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
+  monkeypatch.setattr(mosaic_decode, "decode_forward",
+                      _emulated_decode_forward)
+  lens = [300, 130, 65, 64, 1]
+  sc = _scenario(next_key(), lens, [1] * len(lens), kh=2, g=3, h=64, ps=64,
+                 quantized=quantized, dtype=jnp.bfloat16)
+  q = sc["q"][:, 0]
+  table = sc["table"].at[2, 0].set(10**6)   # sequence 2: a bad page
+  run = jax.jit(lambda impl, table: serving.decode_attention(
+      q, sc["cache"], table, sc["kv_len"], implementation=impl,
+      local_window_size=window,
+      config=serving.SERVING_CONFIG.replace(pv_dtype="fp8_e4m3"),
+      tiling=(None if impl == "mosaic" else serving.PagedTiling(block_k=64))),
+      static_argnums=0)
+  got = np.asarray(run("mosaic", table))
+  want = np.asarray(run("xla", table))
+  assert np.all(np.isnan(got[2])) and np.all(np.isnan(want[2]))
+  keep = np.arange(len(lens)) != 2
+  assert np.all(np.isfinite(got[keep]))
+  assert _rel(jnp.asarray(got[keep]), jnp.asarray(want[keep])) < 2e-2
+
+
 @pytest.mark.parametrize("ps,h,g,window", [(32, 64, 4, None),
                                            (64, 128, 4, None),
                                            (128, 128, 1, 300),
