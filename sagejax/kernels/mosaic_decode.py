@@ -309,21 +309,22 @@ def _over_keys(x: jax.Array, vs: Optional[jax.Array], scratch, op: str
     if scalar is not None:
       memref.store(scalar, smem, at(warp, c(nq)))
     mgpu.utils.warpgroup_barrier()
+
+    def across_warps(column):
+      return _tree(f, [memref.load(smem, at(c(w), column)) for w in range(4)])
+
     layout = fa.WGMMA_LAYOUT.reduce((0,))
-    results = []
-    for which in range(outs):
-      out = np.empty(layout.registers_shape((nq,)), dtype=object)
-      for n8 in range(nq // 8):
-        vals = []
-        for e in range(2):
-          column = (c(nq) if which else
-                    arith.addi(col0, c(8 * n8 + e)))
-          vals.append(_tree(f, [memref.load(smem, at(c(w), column))
-                                for w in range(4)]))
-        out.reshape(-1)[n8] = _vector(vals)
-      results.append(mgpu.FragmentedArray(_registers=out, _layout=layout,
-                                          _is_signed=None))
-    return tuple(results)
+    columns = np.empty(layout.registers_shape((nq,)), dtype=object)
+    for n8 in range(nq // 8):
+      columns.reshape(-1)[n8] = _vector(
+          [across_warps(arith.addi(col0, c(8 * n8 + e))) for e in range(2)])
+    results = [columns]
+    if scalar is not None:   # one value, in every column
+      total = across_warps(c(nq))
+      results.append(np.full(columns.shape, _vector([total, total]),
+                             dtype=object))
+    return tuple(mgpu.FragmentedArray(_registers=r, _layout=layout,
+                                      _is_signed=None) for r in results)
 
   return reduce(x, *(() if vs is None else (vs,)), scratch)
 
