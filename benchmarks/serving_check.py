@@ -549,8 +549,10 @@ def mosaic_tiling_sweep(run: Run):
   return {("mosaic", ps): tiling for ps, (_, tiling) in best.items()}
 
 
-def decode_sweep(run: Run, copy_bw: float, tilings):
-  if run.smoke:
+def decode_sweep(run: Run, copy_bw: float, tilings, configs=None):
+  if configs:
+    pass
+  elif run.smoke:
     configs = [(2, 512)]
   elif run.data["quick"]:
     configs = [(32, 4096), (32, 16384), (8, 32768)]
@@ -787,6 +789,9 @@ def main():
   parser.add_argument("--mosaic-sweep", action="store_true",
                       help="with --decode-only: the Mosaic decode's ring "
                       "depth and split count first")
+  parser.add_argument("--configs", default=None,
+                      help="with --decode-only: shapes as BxTOKENS,... "
+                      "(e.g. 8x4096,64x4096)")
   parser.add_argument("--cache-error", action="store_true",
                       help="only the cache quantization error table (CPU)")
   args = parser.parse_args()
@@ -809,7 +814,11 @@ def main():
     if args.mosaic_sweep:
       tilings = run.guard("mosaic tiling", mosaic_tiling_sweep, run) or {}
       run.save()
-    run.guard("decode", decode_sweep, run, copy_bw, tilings)
+    configs = None
+    if args.configs:
+      configs = [tuple(int(x) for x in c.split("x"))
+                 for c in args.configs.split(",")]
+    run.guard("decode", decode_sweep, run, copy_bw, tilings, configs)
     run.save()
     report(run)
     return

@@ -759,23 +759,35 @@ def test_mosaic_decode_tiling_and_splits():
             227 << 10)
 
 
-def _emulated_decode_forward(q, q_scale, k_pages, k_scales, v_pages,
-                             v_scales, page_table, kv_len, *, window=None,
-                             num_splits=1, nq=None, tiling=None):
+def _emulated_decode_forward(q, k_pages, k_scales, v_pages, v_scales,
+                             page_table, kv_len, *, sm_scale, window=None,
+                             num_splits=1, v_smooth=None, out_dtype=None,
+                             tiling=None):
   """``mosaic_decode.decode_forward``'s outputs computed in jnp (f32 P, no
-  FP8 rounding): each sequence's keys split in two halves, the partials of
-  the kernel's first two parts (transposed ``[H, NQ]``, base-2 LSE padded to
-  32), any further parts empty."""
+  FP8 rounding): Q quantized per row (8-bit pages), each sequence's keys
+  split in two halves; one split: the halves merged, ``v_smooth`` added,
+  NaN for a bad length or (no window) a bad page id; several: the partials
+  of the kernel's first two parts (``[NQ, H]``, base-2 LSE padded to 32),
+  any further parts empty."""
   from sagejax.kernels import mosaic_decode
+  from sagejax.serving import reference as reference_lib
+  from sagejax.serving import triton_paged
   del tiling
-  b, kh, _, h = q.shape
-  nq = nq or q.shape[2]
-  ps = k_pages.shape[2]
-  table = jnp.clip(page_table, 0, k_pages.shape[1] - 1)
+  b, n, h = q.shape
+  kh, num_pages, ps = k_pages.shape[:3]
+  g = n // kh
+  nq = mosaic_decode.padded_groups(g)
+  quantized = k_scales is not None
+  if quantized:
+    q8, qs = reference_lib.quantize_query(q, sm_scale)
+    q = q8.astype(jnp.float32) * qs[..., None]
+  else:
+    q = q.astype(jnp.float32) * (sm_scale * 1.4426950408889634)
+  q = q.reshape(b, kh, g, h)
+  table = jnp.clip(page_table, 0, num_pages - 1)
   def gather(x):   # [K, P, ps, ...] -> [B, K, S, ...]
     return jnp.moveaxis(x[:, table], 0, 1).reshape(
         (b, kh, -1) + x.shape[3:])
-  quantized = k_scales is not None
   k = gather(k_pages).astype(jnp.float32)
   if quantized:
     k = k * gather(k_scales)[..., None]
@@ -783,8 +795,10 @@ def _emulated_decode_forward(q, q_scale, k_pages, k_scales, v_pages,
     v = v * gather(v_scales)[..., None]
   else:
     v = gather(v_pages).astype(jnp.float32)
-  logits = jnp.einsum("bkgh,bksh->bkgs", q[:, :, :nq].astype(jnp.float32),
-                      k) * q_scale[:, :, :nq, None]
+  max_pages = page_table.shape[1]
+  bad_len = (kv_len < 1) | (kv_len > max_pages * ps)
+  kv_len = jnp.where(bad_len, 0, kv_len)
+  logits = jnp.einsum("bkgh,bksh->bkgs", q, k)
   s = logits.shape[-1]
   pos = jnp.arange(s)
   ok = pos[None] < kv_len[:, None]
@@ -798,14 +812,27 @@ def _emulated_decode_forward(q, q_scale, k_pages, k_scales, v_pages,
     m = jnp.max(x, -1, keepdims=True)
     p = jnp.exp2(x - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(p, -1)
-    o = jnp.einsum("bkgs,bksh->bkhg", p, jnp.where(
+    o = jnp.einsum("bkgs,bksh->bkgh", p, jnp.where(
         (ok & part)[:, None, :, None], v, 0.0))
-    outs.append(o / jnp.where(l > 0, l, 1.0)[:, :, None])
+    outs.append(o / jnp.where(l > 0, l, 1.0)[..., None])
     lse = jnp.where(l > 0, m[..., 0] + jnp.log2(jnp.where(l > 0, l, 1.0)),
                     -jnp.inf)
-    lses.append(jnp.pad(lse, ((0, 0), (0, 0),
-                              (0, mosaic_decode.MAX_GROUPS - nq)),
-                        constant_values=-jnp.inf))
+    lses.append(lse)
+  if num_splits == 1:
+    out = triton_paged.merge_splits(
+        jnp.stack(outs).reshape(2, b, n, h), jnp.stack(lses).reshape(2, b, n),
+        v_smooth, out_dtype or q.dtype)
+    bad = bad_len
+    if window is None:
+      used = jnp.arange(max_pages)[None] * ps < kv_len[:, None]
+      outside = (page_table < 0) | (page_table >= num_pages)
+      bad = bad | jnp.any(used & outside, axis=1)
+    return jnp.where(bad[:, None, None], jnp.nan, out).astype(out.dtype), None
+  pad = ((0, 0), (0, 0), (0, nq - g), (0, 0))
+  outs = [jnp.pad(o, pad) for o in outs]
+  lses = [jnp.pad(x, pad[:3], constant_values=-jnp.inf) for x in lses]
+  lses = [jnp.pad(x, ((0, 0), (0, 0), (0, mosaic_decode.MAX_GROUPS - nq)),
+                  constant_values=-jnp.inf) for x in lses]
   parts = 2 * num_splits
   empty_o = jnp.zeros_like(outs[0])
   empty_l = jnp.full_like(lses[0], -jnp.inf)
@@ -813,14 +840,17 @@ def _emulated_decode_forward(q, q_scale, k_pages, k_scales, v_pages,
           jnp.stack(lses + [empty_l] * (parts - 2)))
 
 
-@pytest.mark.parametrize("quantized,window", [(True, None), (True, 40),
-                                              (False, None)])
-def test_mosaic_decode_inputs(monkeypatch, next_key, quantized, window):
+@pytest.mark.parametrize("quantized,window,splits", [
+    (True, None, 1), (True, None, 2), (True, 40, 1), (True, 40, 3),
+    (False, None, 1), (False, None, 2)])
+def test_mosaic_decode_inputs(monkeypatch, next_key, quantized, window,
+                              splits):
   """The Mosaic decode's wrapper on the CPU, with the kernel replaced by its
-  arithmetic in jnp: Q padded and quantized (or cast), the partials'
-  transposed layout, their LSE merge, ``v_smooth``, and NaN for a sequence
-  whose page table names a page outside the pool; against the ``"xla"``
-  reference (FP8 P̃ there, f32 in the emulation: ≤ 2e-2)."""
+  arithmetic in jnp: Q in the query dtype (quantized in the kernel), one
+  split (merged in the kernel, ``v_smooth`` there) or several (their LSE
+  merge here), and NaN for a sequence whose page table names a page outside
+  the pool (checked in the kernel without a window, here with one); against
+  the ``"xla"`` reference (FP8 P̃ there, f32 in the emulation: ≤ 2e-2)."""
   from sagejax.kernels import mosaic_decode
   from sagejax.serving import attention as attention_lib
   monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
@@ -835,7 +865,8 @@ def test_mosaic_decode_inputs(monkeypatch, next_key, quantized, window):
       q, sc["cache"], table, sc["kv_len"], implementation=impl,
       local_window_size=window,
       config=serving.SERVING_CONFIG.replace(pv_dtype="fp8_e4m3"),
-      tiling=(None if impl == "mosaic" else serving.PagedTiling(block_k=64))),
+      tiling=(serving.DecodeTiling(num_splits=splits) if impl == "mosaic"
+              else serving.PagedTiling(block_k=64))),
       static_argnums=0)
   got = np.asarray(run("mosaic", table))
   want = np.asarray(run("xla", table))
@@ -843,25 +874,43 @@ def test_mosaic_decode_inputs(monkeypatch, next_key, quantized, window):
   keep = np.arange(len(lens)) != 2
   assert np.all(np.isfinite(got[keep]))
   assert _rel(jnp.asarray(got[keep]), jnp.asarray(want[keep])) < 2e-2
+  if not quantized:
+    return
+  lens2 = sc["kv_len"].at[3].set(10**6)      # sequence 3: a bad length
+  got = np.asarray(jax.jit(lambda lens: serving.decode_attention(
+      q, sc["cache"], sc["table"], lens, implementation="mosaic",
+      local_window_size=window,
+      tiling=serving.DecodeTiling(num_splits=splits)))(lens2))
+  assert np.all(np.isnan(got[3]))
+  assert np.all(np.isfinite(np.delete(got, 3, 0)))
 
 
-@pytest.mark.parametrize("ps,h,g,window", [(32, 64, 4, None),
-                                           (64, 128, 4, None),
-                                           (128, 128, 1, 300),
-                                           (64, 64, 8, 100)])
-def test_mosaic_decode_lowers_for_cuda(monkeypatch, ps, h, g, window):
+@pytest.mark.parametrize("ps,h,g,window,splits,quantized,kh", [
+    (32, 64, 4, None, 1, True, 2), (32, 64, 4, None, 2, True, 2),
+    (64, 128, 4, None, 1, True, 2), (128, 128, 1, 300, 1, True, 2),
+    (64, 64, 8, 100, 3, True, 2), (64, 128, 20, None, 1, True, 2),
+    (128, 64, 3, None, 1, True, 1), (64, 128, 4, None, 1, False, 2),
+    (128, 64, 8, 200, 2, False, 2)])
+def test_mosaic_decode_lowers_for_cuda(monkeypatch, ps, h, g, window, splits,
+                                       quantized, kh):
   """The Mosaic decode kernel lowers for CUDA on the CPU (layouts, wgmma
-  operands, the shared-memory budget of its default ring)."""
+  operands, the in-kernel Q quantization and merge, the shared-memory
+  budget of its default ring): one split (merged in the kernel) or
+  several, 8-bit or 16-bit pages, fewer query heads than a ``wgmma`` N."""
   from sagejax.serving import attention as attention_lib
   monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
   cache = serving.PagedKVCache.create(num_pages=40, page_size=ps,
-                                      num_kv_heads=2, head_dim=h)
+                                      num_kv_heads=kh, head_dim=h,
+                                      quantized=quantized,
+                                      dtype=jnp.bfloat16)
   table = jnp.zeros((4, 10), jnp.int32)
   lens = jnp.full((4,), 150, jnp.int32)
-  q = jnp.zeros((4, 2 * g, h), jnp.bfloat16)
+  q = jnp.zeros((4, kh * g, h), jnp.bfloat16)
+  tiling = serving.DecodeTiling(num_splits=splits)
   lowered = jax.jit(lambda q, c, t, l: serving.decode_attention(
-      q, c, t, l, local_window_size=window, implementation="mosaic")).trace(
-          q, cache, table, lens).lower(lowering_platforms=("cuda",))
+      q, c, t, l, local_window_size=window, implementation="mosaic",
+      tiling=tiling)).trace(q, cache, table, lens).lower(
+          lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -986,7 +1035,12 @@ def _check_non_finite(key, quantized, impls, *, page_size, head_dim, dtype):
     (128, 128, 1, 300, dict(num_splits=1, num_consumers=1)),
     (64, 64, 20, None, dict(num_splits=2)),
     (128, 64, 4, None, dict(num_ctas=3)),
-    (128, 32, 4, 500, dict(num_ctas=2, num_splits=3, num_consumers=3))])
+    (128, 32, 4, 500, dict(num_ctas=2, num_splits=3, num_consumers=3)),
+    (64, 64, 20, None, dict(num_splits=1, num_consumers=3)),
+    (64, 128, 8, 700, dict(quantized=False, num_splits=1)),
+    (128, 32, 4, None, dict(num_splits=1, num_ctas=3, q_f32=True)),
+    (128, 64, 16, None, dict(num_splits=1, num_consumers=4, num_ctas=5)),
+    (64, 64, 2, None, dict(num_splits=1, num_ctas=4))])
 def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   """The Mosaic decode, compiled, device memory poisoned first, on INT8/FP8
   and bf16 pages: lengths 4100, 1000, 65, 64, 63, 17 and 1 (partly filled
@@ -998,10 +1052,11 @@ def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   from sagejax.kernels.mosaic_decode import DecodeTiling
   tiling = dict(tiling)
   quantized = tiling.pop("quantized", True)
+  q_dtype = jnp.float32 if tiling.pop("q_f32", False) else jnp.bfloat16
   lens = [4100, 1000, 65, 64, 63, 17, 1]
   sc = _scenario(next_key(), lens, [1] * len(lens), kh=2, g=g, h=h, ps=ps,
                  quantized=quantized, dtype=jnp.bfloat16)
-  q = sc["q"][:, 0].astype(jnp.bfloat16)
+  q = sc["q"][:, 0].astype(q_dtype)
   k_deq, v_deq = _dequantized(sc)
   ones = jnp.ones(len(lens), jnp.int32)
   seen = _dense(q[:, None], k_deq, v_deq, ones, sc["kv_len"], window)[:, 0]
@@ -1025,9 +1080,9 @@ def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   block = serving.PagedTiling(block_k=mosaic_decode.step_keys(ps))
 
   @functools.partial(jax.jit, static_argnums=0)
-  def run(impl, table):
+  def run(impl, table, lens=sc["kv_len"]):
     return serving.decode_attention(
-        q, cache, table, sc["kv_len"], local_window_size=window,
+        q, cache, table, lens, local_window_size=window,
         config=config, implementation=impl,
         tiling=tiling if impl == "mosaic" else block)
 
@@ -1035,13 +1090,18 @@ def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   got = run("mosaic", sc["table"])
   want = run("xla", sc["table"])
   out = np.asarray(got, np.float32)
-  assert got.dtype == jnp.bfloat16 and got.shape == q.shape
+  assert got.dtype == q_dtype and got.shape == q.shape
   assert np.all(np.isfinite(out))
   assert _rel(got, want) < 1e-2
   assert _rel(got, seen) < 0.03
   bad = np.asarray(run("mosaic", sc["table"].at[2, 0].set(10**6)), np.float32)
   assert np.all(np.isnan(bad[2]))
   np.testing.assert_array_equal(np.delete(bad, 2, 0), np.delete(out, 2, 0))
+  lens = sc["kv_len"].at[4].set(10**6).at[5].set(0)   # lengths out of range
+  bad = np.asarray(run("mosaic", sc["table"], lens), np.float32)
+  assert np.all(np.isnan(bad[4:6]))
+  np.testing.assert_array_equal(np.delete(bad, [4, 5], 0),
+                                np.delete(out, [4, 5], 0))
 
 
 @gpu

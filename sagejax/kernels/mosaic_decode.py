@@ -80,8 +80,10 @@ def step_keys(page_size: int) -> int:
 
 
 def padded_groups(groups: int) -> int:
-  """``NQ``: query heads per KV head rounded up to the ``wgmma`` N step."""
-  return -(-groups // 8) * 8
+  """``NQ``: query heads per KV head rounded up to 8, 16 or 32 (a ``wgmma``
+  N step whose rows split the warpgroup's threads evenly when the kernel
+  quantizes them)."""
+  return 8 if groups <= 8 else 16 if groups <= 16 else 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,25 +160,32 @@ def _stage_bytes(page_size: int, head_dim: int, itemsize: int) -> int:
 
 
 def _smem_bytes(page_size: int, head_dim: int, nq: int, consumers: int,
-                stages: int, itemsize: int = 1) -> int:
+                stages: int, itemsize: int = 1, q_itemsize: int = 4) -> int:
+  """Shared memory of the kernel (an upper bound: f32 queries and
+  output, ``v_smooth`` and the merge's buffers counted)."""
   sk = step_keys(page_size)
-  fixed = (2 * (nq * head_dim * itemsize + MAX_GROUPS * 4) + consumers * (
+  q_tiles = (2 * nq * head_dim * (q_itemsize + consumers)
+             + consumers * 2 * nq * 4 if itemsize == 1
+             else 2 * nq * head_dim * itemsize)
+  fixed = (q_tiles + 2 * nq * head_dim * 4 + 2 * head_dim * 4 + consumers * (
       sk * nq * itemsize + head_dim * nq * 4 + MAX_GROUPS * 4
       + 64 * (nq + 8)) + 1024)
   return fixed + stages * _stage_bytes(page_size, head_dim, itemsize)
 
 
 def default_stages(page_size: int, head_dim: int, nq: int = 8,
-                   consumers: int = 2, itemsize: int = 1) -> int:
+                   consumers: int = 2, itemsize: int = 1,
+                   q_itemsize: int = 4) -> int:
   """Ring depth: at least 4 steps and 64 KiB in flight (on an H200 with
   pages of 64, 4 and 8 stages ran within 2% of each other), a multiple of
   ``consumers``, within shared memory (``itemsize``: 1 for INT8/FP8
-  pages, 2 for 16-bit ones)."""
+  pages, 2 for 16-bit ones; ``q_itemsize``: the queries')."""
   stage = _stage_bytes(page_size, head_dim, itemsize)
   want = max(4, -(-(64 << 10) // stage))
   stages = -(-want // consumers) * consumers
   while stages > consumers and _smem_bytes(
-      page_size, head_dim, nq, consumers, stages, itemsize) > _SMEM_BYTES:
+      page_size, head_dim, nq, consumers, stages, itemsize,
+      q_itemsize) > _SMEM_BYTES:
     stages -= consumers
   return stages
 
@@ -254,6 +263,146 @@ def _store_transposed(p: jax.Array, ref, page_size: int) -> None:
                    llvm.inttoptr(ptr.type, arith.xori(addr, chunk)))
 
   store(p, ref)
+
+
+def _quantize_rows(x_ref, q_ref, qs_ref, scale_mult: float) -> None:
+  """Quantizes each row of ``x_ref`` (``[R, H]``, float, unswizzled; R of 8,
+  16 or 32) to INT8 as :func:`sagejax.serving.reference.quantize_query`
+  does: into ``q_ref`` (int8 ``[R, H]``, a :func:`wgmma_smem` tile: the
+  element stores land at the hardware swizzle) and the row scales times
+  ``scale_mult`` into ``qs_ref`` (f32 ``[R]``; NaN for a row holding a NaN
+  or ±Inf). ``128 / R`` threads of the warpgroup share a row: their maxima
+  meet by lane shuffles."""
+  rows, h = x_ref.shape
+  lanes = 128 // rows               # threads per row
+  per = h // lanes                  # elements per thread
+  itemsize = jnp.dtype(x_ref.dtype).itemsize
+  load = min(per, 16 // itemsize)   # elements per (≤ 16-byte) load
+  store = min(per, 16)              # int8 elements per (≤ 16-byte) store
+  swizzle = min(128, h)
+  chunk_mask = swizzle // 16 - 1
+
+  @plgpu.inline_mgpu(arg_types=(
+      plgpu.RefType(),
+      plgpu.RefType((plgpu.TilingTransform((8, swizzle)),
+                     plgpu.SwizzleTransform(swizzle))),
+      plgpu.RefType()))
+  def quantize(_, x, q, qs):
+    mgpu, _, ir, arith, vector = _mgpu()
+    from jax._src.lib.mlir.dialects import llvm  # lowering-time only
+    from jax._src.lib.mlir.dialects import math as mlir_math
+    i64 = ir.IntegerType.get_signless(64)
+    f32 = ir.F32Type.get()
+    i8 = ir.IntegerType.get_signless(8)
+    c = lambda v: arith.constant(i64, v)  # noqa: E731
+    f = lambda v: arith.constant(f32, v)  # noqa: E731
+    tid = arith.andi(arith.extui(i64, mgpu.utils.thread_idx()), c(127))
+    row = arith.divui(tid, c(lanes))
+    first = arith.muli(arith.remui(tid, c(lanes)), c(per))
+    x_ptr = mgpu.utils.memref_ptr(x)
+    x_addr = arith.addi(llvm.ptrtoint(i64, x_ptr), arith.muli(
+        arith.addi(arith.muli(row, c(h)), first), c(itemsize)))
+    x_type = ir.MemRefType(x.type).element_type
+    values = []
+    for i in range(0, per, load):
+      v = llvm.load(ir.VectorType.get((load,), x_type),
+                    llvm.inttoptr(x_ptr.type,
+                                  arith.addi(x_addr, c(i * itemsize))),
+                    alignment=load * itemsize)
+      for e in range(load):
+        value = _element(v, e)
+        values.append(value if x_type == f32 else arith.extf(f32, value))
+    amax = _tree(arith.maximumf, [mlir_math.absf(v) for v in values])
+    for d in range(1, lanes):       # NaN propagates (maximumf)
+      if d & (d - 1) == 0:
+        amax = arith.maximumf(amax, mgpu.utils.shfl_bfly(amax, d))
+    finite = arith.cmpf(arith.CmpFPredicate.OLT, amax, f(math.inf))
+    positive = arith.cmpf(arith.CmpFPredicate.OGT, amax, f(0.0))
+    scale = arith.select(positive, arith.divf(amax, f(127.0)), f(1.0))
+    q8 = []
+    for v in values:   # clamps by minnum/maxnum: a NaN gives a defined int
+      r = mlir_math.roundeven(arith.divf(v, scale))
+      r = arith.maxnumf(arith.minnumf(r, f(127.0)), f(-127.0))
+      q8.append(arith.fptosi(i8, r))
+    q_ptr = mgpu.utils.memref_ptr(q)
+    q_base = llvm.ptrtoint(i64, q_ptr)
+    for i in range(0, per, store):
+      addr = arith.addi(q_base, arith.addi(arith.muli(row, c(h)),
+                                           arith.addi(first, c(i))))
+      chunk = arith.shli(
+          arith.andi(arith.shrui(addr, c(7)), c(chunk_mask)), c(4))
+      llvm.store(_vector(q8[i:i + store]),
+                 llvm.inttoptr(q_ptr.type, arith.xori(addr, chunk)),
+                 alignment=store)
+    qs_ptr = mgpu.utils.memref_ptr(qs)
+    out = arith.select(finite, arith.mulf(scale, f(scale_mult)),
+                       f(math.nan))
+    llvm.store(out, llvm.inttoptr(qs_ptr.type, arith.addi(
+        llvm.ptrtoint(i64, qs_ptr), arith.muli(row, c(4)))))
+
+  quantize(x_ref, q_ref, qs_ref)
+
+
+def _store_rows(x: jax.Array, ref) -> None:
+  """``ref[g, h] = x[h, g]`` for ``x [H, NQ]`` (WGMMA layout) and an
+  unswizzled ``ref [NQ, H]`` of its dtype: one store per element."""
+  h, nq = x.shape
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def store(_, x, smem):
+    mgpu, _, ir, arith, _ = _mgpu()
+    from jax._src.lib.mlir.dialects import memref  # lowering-time only
+    index = ir.IndexType.get()
+    i32 = ir.IntegerType.get_signless(32)
+    c = lambda v: arith.constant(i32, v)  # noqa: E731
+    tid = mgpu.utils.thread_idx()
+    lane = arith.andi(tid, c(31))
+    warp = arith.andi(arith.shrui(tid, c(5)), c(3))
+    row = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
+    col = arith.muli(arith.andi(lane, c(3)), c(2))
+    regs = x.registers.reshape(h // 64, nq // 8, 2)
+    for tile, n8, half in np.ndindex(regs.shape):
+      hh = arith.index_cast(index, arith.addi(row, c(64 * tile + 8 * half)))
+      for e in range(2):
+        g = arith.index_cast(index, arith.addi(col, c(8 * n8 + e)))
+        memref.store(_element(regs[tile, n8, half], e), smem, [g, hh])
+
+  store(x, ref)
+
+
+def _load_rows(ref, h: int) -> jax.Array:
+  """f32 ``x [H, NQ]`` (WGMMA layout) with ``x[h, g] = ref[g, h]``, from an
+  unswizzled f32 ``ref [NQ, H]`` (what :func:`_store_rows` wrote)."""
+  nq = ref.shape[0]
+  layout = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(),),
+      return_type=plgpu.ShapeDtypeStruct((h, nq), jnp.float32,
+                                         layout=layout))
+  def load(_, smem):
+    mgpu, fa, ir, arith, _ = _mgpu()
+    from jax._src.lib.mlir.dialects import memref  # lowering-time only
+    index = ir.IndexType.get()
+    i32 = ir.IntegerType.get_signless(32)
+    c = lambda v: arith.constant(i32, v)  # noqa: E731
+    tid = mgpu.utils.thread_idx()
+    lane = arith.andi(tid, c(31))
+    warp = arith.andi(arith.shrui(tid, c(5)), c(3))
+    row = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
+    col = arith.muli(arith.andi(lane, c(3)), c(2))
+    shape = fa.WGMMA_LAYOUT.registers_shape((h, nq))
+    regs = np.empty(shape, dtype=object)
+    flat = regs.reshape(h // 64, nq // 8, 2)
+    for tile, n8, half in np.ndindex(flat.shape):
+      hh = arith.index_cast(index, arith.addi(row, c(64 * tile + 8 * half)))
+      flat[tile, n8, half] = _vector([
+          memref.load(smem, [arith.index_cast(
+              index, arith.addi(col, c(8 * n8 + e))), hh]) for e in range(2)])
+    return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT,
+                                _is_signed=None)
+
+  return load(ref)
 
 
 def _over_keys(x: jax.Array, vs: Optional[jax.Array], scratch, op: str
@@ -336,69 +485,90 @@ def _vector(values):
       ir.VectorType.get((len(values),), values[0].type), values)
 
 
-def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
-                   k_scales: jax.Array, v_pages: jax.Array,
-                   v_scales: jax.Array, page_table: jax.Array,
-                   kv_len: jax.Array, *, window: Optional[int] = None,
-                   num_splits: int = 1, nq: Optional[int] = None,
+def decode_forward(q: jax.Array, k_pages: jax.Array,
+                   k_scales: Optional[jax.Array], v_pages: jax.Array,
+                   v_scales: Optional[jax.Array], page_table: jax.Array,
+                   kv_len: jax.Array, *, sm_scale: float,
+                   window: Optional[int] = None, num_splits: int = 1,
+                   v_smooth: Optional[jax.Array] = None, out_dtype=None,
                    tiling: DecodeTiling = DecodeTiling()
-                   ) -> tuple[jax.Array, jax.Array]:
+                   ) -> tuple[jax.Array, Optional[jax.Array]]:
   """Runs the decode kernel.
 
   Args:
-    q: int8 ``[B, K, R, H]`` (or the 16-bit pages' dtype): row g is query
-      head ``k·G + g`` (quantized per row) for g < G, zeros after; the
-      kernel reads the first ``NQ`` rows (``nq``, a multiple of 8, at most
-      :data:`MAX_GROUPS`; R ≥ NQ lets the caller quantize Q and its scales
-      padded alike).
-    q_scale: f32 ``[B, K, MAX_GROUPS]`` (with ``sm_scale·log2 e``); 1 on
-      padding (a TMA copy moves at least 128 bytes).
+    q: ``[B, N, H]`` queries, float (8-bit pages: quantized to INT8 per row
+      in the kernel, as :func:`sagejax.serving.reference.quantize_query`
+      does) or, for 16-bit pages, in the pages' dtype; N = K·G, query head
+      ``k·G + g`` on KV head ``k``.
     k_pages: int8 ``[K, P, page_size, H]``; ``k_scales``, ``v_scales``: f32
       ``[K, P, page_size]``; ``v_pages``: float8_e4m3fn ``[K, P, H,
-      page_size]``.
+      page_size]``. 16-bit pages: ``[K, P, page_size, H]`` each, no scales.
     page_table: int32 ``[B, max_pages]`` (ids are clipped into the pool).
     kv_len: int32 ``[B]`` cached tokens; the query is the last of them.
+    sm_scale: the logits' scale.
     window: the query sees keys ``[kv_len − 1 − window, kv_len − 1]``; None:
       all.
     num_splits: work items per (sequence, KV head), each a contiguous
       share of its steps.
+    v_smooth: f32 ``[K, H]`` added to the output of every head that saw a
+      key (one split only; with several the caller merges and adds it).
+    out_dtype: the merged output's dtype (one split); default ``q``'s.
 
   Returns:
-    ``(out, lse)``: f32 ``[parts, B, K, H, NQ]`` partial outputs (transposed),
-    each normalized by its own sum, and their base-2 LSEs f32 ``[parts, B,
-    K, MAX_GROUPS]`` (−inf where a partial saw no key; entries past NQ
-    undefined), ``parts = num_splits · num_consumers`` (partial
-    ``consumers · split + consumer``).
+    One split: ``(out, None)``, ``out [B, N, H]`` merged over the CTA's
+    consumers in the kernel; NaN for every head of a sequence whose length
+    is outside ``[1, max_pages · page_size]`` or, without a window, whose
+    used pages include an id outside the pool (with a window the caller
+    checks: pages before it are never read). Several splits: ``(out, lse)``,
+    f32 ``[parts, B, K, NQ, H]`` partial outputs, each
+    normalized by its own sum, and their base-2 LSEs f32 ``[parts, B, K,
+    MAX_GROUPS]`` (−inf where a partial saw no key; entries past NQ
+    undefined), ``parts = num_splits · num_consumers`` (partial ``consumers
+    · split + consumer``), for :func:`~sagejax.serving.triton_paged.
+    merge_splits`.
   """
-  b, kh, rows, h = q.shape
-  nq = nq or rows
-  _, num_pages, ps, _ = k_pages.shape
+  b, n, h = q.shape
+  kh, num_pages, ps, _ = k_pages.shape
+  groups = n // kh
+  nq = padded_groups(groups)
   max_pages = page_table.shape[1]
   quantized = k_scales is not None
+  merged = num_splits == 1
+  check_pages = merged and window is None
+  out_dtype = jnp.dtype(out_dtype or q.dtype)
   sk = step_keys(ps)
   pps = sk // ps               # pages per step
   cons = tiling.num_consumers
-  stages = tiling.num_stages or default_stages(ps, h, nq, cons,
-                                               k_pages.dtype.itemsize)
-  if nq % 8 or not 8 <= nq <= min(rows, MAX_GROUPS):
-    raise ValueError(f"q must be [B, K, NQ, H] with NQ a multiple of 8 up to "
-                     f"{MAX_GROUPS}, got {q.shape}.")
+  stages = tiling.num_stages or default_stages(
+      ps, h, nq, cons, k_pages.dtype.itemsize, q.dtype.itemsize)
+  if n % kh or groups > MAX_GROUPS:
+    raise ValueError(f"q must be [B, N, H] with N a multiple of the "
+                     f"{kh} KV heads and at most {MAX_GROUPS} query heads "
+                     f"per KV head, got {q.shape}.")
   if ps not in PAGE_SIZES or h not in HEAD_DIMS or (
       not quantized and ps != sk):
     raise ValueError(f"page_size {ps} / head dim {h}: the kernel takes "
                      f"pages of {PAGE_SIZES} tokens (16-bit: at least 64) "
                      f"and head dims {HEAD_DIMS}.")
   if quantized and (v_pages.shape != (kh, num_pages, h, ps) or (
-      v_pages.dtype != quant.FP8_DTYPE) or k_pages.dtype != jnp.int8):
-    raise ValueError("k_pages must be int8 [K, P, page_size, H] and v_pages "
-                     "float8_e4m3fn [K, P, H, page_size] (transposed).")
+      v_pages.dtype != quant.FP8_DTYPE) or k_pages.dtype != jnp.int8 or
+                    q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32)):
+    raise ValueError("k_pages must be int8 [K, P, page_size, H], v_pages "
+                     "float8_e4m3fn [K, P, H, page_size] (transposed) and q "
+                     "bf16, fp16 or f32.")
   if not quantized and (v_pages.shape != k_pages.shape or k_pages.dtype
                         not in (jnp.bfloat16, jnp.float16) or
                         v_pages.dtype != k_pages.dtype or q.dtype !=
                         k_pages.dtype or v_scales is not None):
     raise ValueError("16-bit pages: k_pages and v_pages [K, P, page_size, "
                      "H] of one 16-bit dtype, q in it, no scales.")
+  if v_smooth is not None and not merged:
+    raise ValueError("v_smooth is added by the caller's merge when "
+                     "num_splits > 1.")
+  if n < nq:   # a TMA box of NQ query rows must fit in N
+    q = jnp.pad(q, ((0, 0), (0, nq - n), (0, 0)))
   page_dtype = k_pages.dtype
+  scale_mult = float(sm_scale) * quant.LOG2E
   spec = MaskSpec(is_causal=True, causal_alignment="bottom_right",
                   window=None if window is None else (int(window), 0),
                   q_len=1, kv_len=0)
@@ -411,27 +581,34 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
   ctas = min(items, tiling.num_ctas or sm_count())
 
   def kernel(*refs):
-    if quantized:
-      (q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, pt_ref, kl_ref, out_ref,
-       lse_ref, scratch) = refs
-    else:
-      (q_ref, qs_ref, k_ref, v_ref, pt_ref, kl_ref, out_ref, lse_ref,
-       scratch) = refs
-    (q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, p_smem, o_smem,
-     lse_smem, x_smem) = scratch[0]
-    q_bar, q_free, full, free = scratch[1:]
+    refs = list(refs)
+    q_ref = refs.pop(0)
+    k_ref, ks_ref = refs.pop(0), (refs.pop(0) if quantized else None)
+    v_ref, vs_ref = refs.pop(0), (refs.pop(0) if quantized else None)
+    pt_ref, kl_ref = refs.pop(0), refs.pop(0)
+    vm_ref = refs.pop(0) if v_smooth is not None else None
+    out_ref = refs.pop(0)
+    lse_ref = None if merged else refs.pop(0)
+    scratch = refs.pop(0)
+    (qx_smem, q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, p_smem,
+     o_smem, lse_smem, x_smem, out_smem, vm_smem, flag_smem) = scratch[0]
+    q_bar, q_free, full, free, part_bar, part_free, flag_bar = scratch[1:]
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     n_items = lax.div(items - cta + ctas - 1, jnp.int32(ctas))
 
     def item(it):
-      """Work item ``it`` of this CTA: (batch, KV head, split), its step
-      range ``[s_lo, s_hi)`` and the unmasked part ``[flo, fhi)``."""
+      """Work item ``it`` of this CTA: (batch, KV head, split), the
+      sequence's length (0 if out of range), whether it is out of range,
+      its step range ``[s_lo, s_hi)`` and the unmasked part ``[flo,
+      fhi)``."""
       w = cta + it * ctas
       batch = lax.div(w, jnp.int32(kh * num_splits))
       head = lax.rem(lax.div(w, jnp.int32(num_splits)), jnp.int32(kh))
       split = lax.rem(w, jnp.int32(num_splits))
       length = kl_ref[batch]
+      bad_length = (length < 1) | (length > max_pages * ps)
+      length = jnp.where(bad_length, 0, length)
       blo, flo, fhi, bhi = kv_block_range(spec, 0, 0, 1, length, sk,
                                           num_blocks)
       chunk = lax.div(bhi - blo + num_splits - 1, jnp.int32(num_splits))
@@ -439,7 +616,8 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
       s_hi = jnp.minimum(s_lo + chunk, bhi)
       flo = jnp.clip(flo, s_lo, s_hi)
       fhi = jnp.clip(fhi, flo, s_hi)
-      return batch, head, split, length, (s_lo, flo, fhi, s_hi)
+      return (batch, head, split, length, bad_length,
+              (s_lo, flo, fhi, s_hi))
 
     @pl.when(wg < cons)
     def _consumer():
@@ -452,7 +630,8 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
       def run_item(it, done):
         """One work item; ``done``: ring steps of this CTA's earlier items
         (the ring's slots and their consumers run on across items)."""
-        batch, head, split, length, (s_lo, flo, fhi, s_hi) = item(it)
+        (batch, head, split, length, bad_length,
+         (s_lo, flo, fhi, s_hi)) = item(it)
         qslot = lax.rem(it, jnp.int32(2))
         # This consumer's steps: those whose ring index is wg mod cons.
         first = s_lo + lax.rem(wg - lax.rem(done, jnp.int32(cons))
@@ -463,7 +642,15 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
                          jnp.int32(cons))
 
         plgpu.barrier_wait(q_bar.at[qslot])
-        qs = load_all(qs_smem.at[qslot, pl.ds(0, nq)], head_layout)
+        if quantized:   # each consumer quantizes Q into its own tile
+          q_tile = q_smem.at[wg, qslot]
+          _quantize_rows(qx_smem.at[qslot], q_tile, qs_smem.at[wg, qslot],
+                         scale_mult)
+          plgpu.commit_smem()   # before the wgmma reads it
+          qs = load_all(qs_smem.at[wg, qslot], head_layout)
+        else:
+          q_tile = q_smem.at[qslot]
+          qs = heads(scale_mult)
 
         def step(i, carry, masked: bool):
           acc, m, l_acc, c_prev = carry
@@ -473,7 +660,7 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
 
           def qk(s_ref):
             plgpu.wgmma(s_ref, k_smem.at[slot],
-                        plgpu.transpose_ref(q_smem.at[qslot], (1, 0)))
+                        plgpu.transpose_ref(q_tile, (1, 0)))
             return s_ref[...]
 
           s = pl.run_scoped(qk, plgpu.ACC((sk, nq), acc_dtype))
@@ -563,27 +750,92 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
                               lambda i, c: step(i, c, masked=False), carry)
         acc, m, l_acc, c = lax.fori_loop(bounds[2], bounds[3], masked,
                                          carry)
-        plgpu.barrier_arrive(q_free.at[qslot])
 
         # Final sums alternate two buffers of their own (see _over_keys).
         [l] = _over_keys(l_acc, None, x_smem.at[wg, 2 + qslot], "add")
         seen = l != 0   # a NaN sum is seen (quant's rules)
         scale = jnp.where(seen, c / jnp.where(seen, l, 1.0), 0.0)
-        # The last item's partials have left shared memory (the issuing
-        # thread waits; the barrier tells the others).
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.commit_smem()
-        o_smem.at[wg][...] = acc * lax.broadcast_in_dim(scale, (h, nq), [1])
+        o = acc * lax.broadcast_in_dim(scale, (h, nq), [1])
         lse = m + jnp.log2(jnp.where(seen, l, 1.0))
         if quantized:
           lse = lse - _LOG2_P_SCALE
-        lse_smem.at[wg, pl.ds(0, nq)][...] = jnp.where(seen, lse, -jnp.inf)
-        plgpu.commit_smem()
-        part = cons * split + wg
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[part, batch, head])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                                lse_ref.at[part, batch, head])
+        lse = jnp.where(seen, lse, -jnp.inf)
+        if merged:
+          finish_merged(it, qslot, batch, head, bad_length, o, lse)
+        else:
+          # The last item's partials have left shared memory (the issuing
+          # thread waits; the barrier tells the others).
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          plgpu.commit_smem()
+          _store_rows(o, o_smem.at[wg])
+          lse_smem.at[wg, pl.ds(0, nq)][...] = lse
+          plgpu.commit_smem()
+          part = cons * split + wg
+          plgpu.copy_smem_to_gmem(o_smem.at[wg],
+                                  out_ref.at[part, batch, head])
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                  lse_ref.at[part, batch, head])
+        plgpu.barrier_arrive(q_free.at[qslot])
         return done + (s_hi - s_lo)
+
+      def finish_merged(it, qslot, batch, head, bad_length, o, lse):
+        """The item's consumers' partials merged by their LSEs (as
+        ``merge_splits``) in consumer 0, which writes ``out[batch,
+        head·G : (head + 1)·G]``; the others hand theirs over in shared
+        memory."""
+        if cons > 1:
+          @pl.when(wg > 0)
+          def _hand_over():
+            @pl.when(it > 0)
+            def _():   # consumer 0 has read the last item's
+              plgpu.barrier_wait(part_free)
+
+            _store_rows(o, o_smem.at[wg])
+            lse_smem.at[wg, pl.ds(0, nq)][...] = lse
+            plgpu.barrier_arrive(part_bar)
+
+        @pl.when(wg == 0)
+        def _merge():
+          os, lses = [o], [lse]
+          if cons > 1:
+            plgpu.barrier_wait(part_bar)
+            for k in range(1, cons):
+              os.append(_load_rows(o_smem.at[k], h))
+              lses.append(load_all(lse_smem.at[k, pl.ds(0, nq)],
+                                   head_layout))
+            plgpu.barrier_arrive(part_free)
+          m = lses[0]
+          for x in lses[1:]:
+            m = jnp.maximum(m, x)
+          m = jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)   # −inf, NaN: 0
+          ws = [jnp.exp2(x - m) for x in lses]
+          den = ws[0]
+          num = os[0] * lax.broadcast_in_dim(ws[0], (h, nq), [1])
+          for w, x in zip(ws[1:], os[1:]):
+            den = den + w
+            num = num + x * lax.broadcast_in_dim(w, (h, nq), [1])
+          seen = den > 0
+          out = num / lax.broadcast_in_dim(jnp.where(seen, den, 1.0),
+                                           (h, nq), [1])
+          seen2 = lax.broadcast_in_dim(seen, (h, nq), [1])
+          out = jnp.where(seen2, out, jnp.where(out != out, out, 0.0))
+          if vm_ref is not None:
+            vm = load_all(vm_smem.at[qslot], key_layout)   # [H]: per row
+            out = out + jnp.where(seen2, lax.broadcast_in_dim(vm, (h, nq),
+                                                              [0]), 0.0)
+          bad = bad_length
+          if check_pages:
+            plgpu.barrier_wait(flag_bar.at[qslot])
+            bad = bad | (flag_smem[qslot] != 0)
+          out = out + jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(0))
+          # The item before last's rows have left shared memory.
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          plgpu.commit_smem()
+          _store_rows(out.astype(out_dtype), out_smem.at[qslot])
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              out_smem.at[qslot, pl.ds(0, groups)],
+              out_ref.at[batch, pl.ds(head * groups, groups)])
 
       lax.fori_loop(0, n_items, run_item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
@@ -593,21 +845,22 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
       plgpu.set_max_registers(tiling.producer_registers, action="decrease")
 
       def load_item(it, done):
-        batch, head, _, _, (s_lo, _, _, s_hi) = item(it)
+        batch, head, _, length, _, (s_lo, _, _, s_hi) = item(it)
         qslot = lax.rem(it, jnp.int32(2))
 
         @pl.when(it >= 2)
         def _():
           plgpu.barrier_wait(q_free.at[qslot])
 
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(0, nq)],
-                                q_smem.at[qslot],
-                                q_bar.at[qslot])
-        plgpu.copy_gmem_to_smem(qs_ref.at[batch, head], qs_smem.at[qslot],
-                                q_bar.at[qslot])
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[batch, pl.ds(head * groups, nq)],
+            (qx_smem if quantized else q_smem).at[qslot], q_bar.at[qslot])
+        if vm_ref is not None:
+          plgpu.copy_gmem_to_smem(vm_ref.at[head], vm_smem.at[qslot],
+                                  q_bar.at[qslot])
+        used = lax.div(length + ps - 1, jnp.int32(ps))
 
-        @pl.loop(0, s_hi - s_lo)
-        def _(r):
+        def load_step(r, bad):
           ring = done + r
           slot = lax.rem(ring, jnp.int32(stages))
 
@@ -618,7 +871,9 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
           bar = full.at[slot]
           for i in range(pps):
             entry = jnp.minimum((s_lo + r) * pps + i, max_pages - 1)
-            page = jnp.clip(pt_ref[batch, entry], 0, num_pages - 1)
+            raw = pt_ref[batch, entry]
+            bad = bad | ((entry < used) & ((raw < 0) | (raw >= num_pages)))
+            page = jnp.clip(raw, 0, num_pages - 1)
             rows = pl.ds(i * ps, ps)
             plgpu.copy_gmem_to_smem(k_ref.at[head, page],
                                     k_smem.at[slot, rows], bar)
@@ -629,7 +884,12 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
                                       ks_smem.at[slot, rows], bar)
               plgpu.copy_gmem_to_smem(vs_ref.at[head, page],
                                       vs_smem.at[slot, rows], bar)
+          return bad
 
+        bad = lax.fori_loop(0, s_hi - s_lo, load_step, False)
+        if check_pages:   # every used page was loaded (no window)
+          flag_smem[qslot] = bad.astype(jnp.int32)
+          plgpu.barrier_arrive(flag_bar.at[qslot])
         return done + (s_hi - s_lo)
 
       lax.fori_loop(0, n_items, load_item, jnp.int32(0))
@@ -639,36 +899,50 @@ def decode_forward(q: jax.Array, q_scale: jax.Array, k_pages: jax.Array,
     p_tile = (pps, nq, ps)
     p_dtype = quant.FP8_DTYPE if quantized else page_dtype
     smem = (
-        wgmma_smem((2, nq, h), q.dtype),
-        plgpu.SMEM((2, MAX_GROUPS), jnp.float32),
+        plgpu.SMEM((2, nq, h), q.dtype) if quantized else None,
+        wgmma_smem((cons, 2, nq, h), jnp.int8) if quantized
+        else wgmma_smem((2, nq, h), page_dtype),
+        plgpu.SMEM((cons, 2, nq), jnp.float32) if quantized else None,
         wgmma_smem((stages, sk, h), page_dtype),
         plgpu.SMEM((stages, sk), jnp.float32) if quantized else None,
         wgmma_smem((stages,) + v_tile, v_pages.dtype),
         plgpu.SMEM((stages, sk), jnp.float32) if quantized else None,
         wgmma_smem((cons,) + p_tile, p_dtype),
-        plgpu.SMEM((cons, h, nq), jnp.float32),
+        plgpu.SMEM((cons, nq, h), jnp.float32),
         plgpu.SMEM((cons, MAX_GROUPS), jnp.float32),
         plgpu.SMEM((cons, 4, 4, nq + 8), jnp.float32),   # _over_keys
+        plgpu.SMEM((2, nq, h), out_dtype) if merged else None,
+        plgpu.SMEM((2, h), jnp.float32) if v_smooth is not None else None,
+        plgpu.SMEM((2,), jnp.int32) if check_pages else None,
     )
     pl.run_scoped(
         lambda *scratch: kernel(*refs, scratch), smem,
-        plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        plgpu.Barrier(num_arrivals=1 + (v_smooth is not None),
+                      num_barriers=2),
         plgpu.Barrier(num_arrivals=cons, num_barriers=2),
         plgpu.Barrier(num_arrivals=(4 if quantized else 2) * pps,
                       num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=max(1, cons - 1)),
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),
         collective_axes="wg")
 
-  parts = cons * num_splits
-  return plgpu.kernel(
-      entry,
-      out_type=(jax.ShapeDtypeStruct((parts, b, kh, h, nq), jnp.float32),
+  if merged:
+    out_type = (jax.ShapeDtypeStruct((b, n, h), out_dtype),)
+  else:
+    parts = cons * num_splits
+    out_type = (jax.ShapeDtypeStruct((parts, b, kh, nq, h), jnp.float32),
                 jax.ShapeDtypeStruct((parts, b, kh, MAX_GROUPS),
-                                     jnp.float32)),
+                                     jnp.float32))
+  outs = plgpu.kernel(
+      entry,
+      out_type=out_type,
       grid=(ctas,),
       grid_names=("cta",),
       num_threads=cons + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(*(x for x in (q, q_scale, k_pages, k_scales, v_pages, v_scales,
-                  page_table, kv_len) if x is not None))
+  )(*(x for x in (q, k_pages, k_scales, v_pages, v_scales, page_table,
+                  kv_len, v_smooth) if x is not None))
+  return (outs[0], None) if merged else tuple(outs)

@@ -292,29 +292,33 @@ def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
                      f"{mosaic_decode.step_keys(ps)} (the kernel's step) for "
                      f"the Mosaic decode, got {math.block_k}.")
   tiling = tiling or DecodeTiling()
-  ones = jnp.ones_like(kv_len)
-  bad = bad_sequences(page_table, kv_len, ones, ones, cache.num_pages, ps)
-  kv_len = jnp.where(bad, 0, kv_len).astype(jnp.int32)
-  # Q padded with zero rows to the kernel's MAX_GROUPS (it reads NQ of
-  # them), then quantized: one pass makes both Q and its 128-byte scale rows.
-  q = jnp.pad(q.reshape(b, kh, groups, h),
-              ((0, 0), (0, 0), (0, mosaic_decode.MAX_GROUPS - groups), (0, 0)))
-  if cache.quantized:
-    q, qs = quantize_query(q, math.sm_scale)
-  else:
-    q = q.astype(cache.k_pages.dtype)
-    qs = jnp.full((b, kh, mosaic_decode.MAX_GROUPS),
-                  math.sm_scale * quant.LOG2E, jnp.float32)
   splits = tiling.num_splits or decode_splits(b, kh, page_table.shape[1], ps,
                                               math.window, tiling.num_ctas)
+  if cache.quantized:
+    if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+      q = q.astype(jnp.float32)
+  else:
+    q = q.astype(cache.k_pages.dtype)
+  page_table = page_table.astype(jnp.int32)
+  kv_len = kv_len.astype(jnp.int32)
+  bad = None
+  if splits > 1 or math.window is not None:
+    # The kernel checks lengths, and the page ids it reads; with a window
+    # the pages before it are checked here, with splits the merge is.
+    ones = jnp.ones_like(kv_len)
+    bad = bad_sequences(page_table, kv_len, ones, ones, cache.num_pages, ps)
+    kv_len = jnp.where(bad, 0, kv_len)
   out, lse = mosaic_decode.decode_forward(
-      q, qs, cache.k_pages, cache.k_scales, cache.v_pages, cache.v_scales,
-      page_table.astype(jnp.int32), kv_len, window=math.window,
-      num_splits=splits, nq=mosaic_decode.padded_groups(groups),
-      tiling=tiling)
-  parts = out.shape[0]   # [parts, B, K, H, NQ] -> [parts, B, N, H]
-  out = jnp.swapaxes(out[..., :groups], -1, -2).reshape(parts, b, n, h)
-  merged = merge_splits(out, lse[..., :groups].reshape(parts, b, n),
-                        cache.v_smooth, out_dtype)
-  return jnp.where(bad[:, None, None], jnp.asarray(jnp.nan, out_dtype),
-                   merged)
+      q, cache.k_pages, cache.k_scales, cache.v_pages, cache.v_scales,
+      page_table, kv_len, sm_scale=math.sm_scale, window=math.window,
+      num_splits=splits,
+      v_smooth=cache.v_smooth if splits == 1 else None,
+      out_dtype=out_dtype, tiling=tiling)
+  if splits > 1:
+    parts = out.shape[0]   # [parts, B, K, NQ, H] -> [parts, B, N, H]
+    out = out[..., :groups, :].reshape(parts, b, n, h)
+    out = merge_splits(out, lse[..., :groups].reshape(parts, b, n),
+                       cache.v_smooth, out_dtype)
+  if bad is not None:
+    out = jnp.where(bad[:, None, None], jnp.asarray(jnp.nan, out_dtype), out)
+  return out
