@@ -164,9 +164,8 @@ def _smem_bytes(page_size: int, head_dim: int, nq: int, consumers: int,
   """Shared memory of the kernel (an upper bound: f32 queries and
   output, ``v_smooth`` and the merge's buffers counted)."""
   sk = step_keys(page_size)
-  q_tiles = (2 * nq * head_dim * (q_itemsize + consumers)
-             + consumers * 2 * nq * 4 if itemsize == 1
-             else 2 * nq * head_dim * itemsize)
+  q_tiles = (2 * nq * head_dim * (q_itemsize + consumers * itemsize)
+             + consumers * 2 * nq * 4)
   fixed = (q_tiles + 2 * nq * head_dim * 4 + 2 * head_dim * 4 + consumers * (
       sk * nq * itemsize + head_dim * nq * 4 + MAX_GROUPS * 4
       + 64 * (nq + 8)) + 1024)
@@ -265,35 +264,42 @@ def _store_transposed(p: jax.Array, ref, page_size: int) -> None:
   store(p, ref)
 
 
-def _quantize_rows(x_ref, q_ref, qs_ref, scale_mult: float) -> None:
-  """Quantizes each row of ``x_ref`` (``[R, H]``, float, unswizzled; R of 8,
-  16 or 32) to INT8 as :func:`sagejax.serving.reference.quantize_query`
-  does: into ``q_ref`` (int8 ``[R, H]``, a :func:`wgmma_smem` tile: the
-  element stores land at the hardware swizzle) and the row scales times
-  ``scale_mult`` into ``qs_ref`` (f32 ``[R]``; NaN for a row holding a NaN
-  or ±Inf). ``128 / R`` threads of the warpgroup share a row: their maxima
-  meet by lane shuffles."""
+def _stage_query(x_ref, q_ref, qs_ref, scale_mult: float) -> None:
+  """Copies the query rows ``x_ref`` (``[R, H]``, float, unswizzled, as a
+  TMA from any row lands; R of 8, 16 or 32) into the ``wgmma`` tile
+  ``q_ref`` (``[R, H]``, a :func:`wgmma_smem` tile: the element stores land
+  at the hardware swizzle). An int8 ``q_ref`` gets each row quantized as
+  :func:`sagejax.serving.reference.quantize_query` does, and ``qs_ref`` (f32
+  ``[R]``) the row scales times ``scale_mult`` (NaN for a row holding a NaN
+  or ±Inf); a 16-bit one the rows in its dtype (``qs_ref`` None). ``128 /
+  R`` threads of the warpgroup share a row (their maxima meet by lane
+  shuffles)."""
   rows, h = x_ref.shape
   lanes = 128 // rows               # threads per row
   per = h // lanes                  # elements per thread
   itemsize = jnp.dtype(x_ref.dtype).itemsize
+  out_size = jnp.dtype(q_ref.dtype).itemsize
+  quantize = out_size == 1
   load = min(per, 16 // itemsize)   # elements per (≤ 16-byte) load
-  store = min(per, 16)              # int8 elements per (≤ 16-byte) store
-  swizzle = min(128, h)
+  store = min(per, 16 // out_size)  # elements per (≤ 16-byte) store
+  swizzle = min(128, h * out_size)
+  per_tile = swizzle // out_size    # elements of a row in one tile
   chunk_mask = swizzle // 16 - 1
 
   @plgpu.inline_mgpu(arg_types=(
       plgpu.RefType(),
-      plgpu.RefType((plgpu.TilingTransform((8, swizzle)),
+      plgpu.RefType((plgpu.TilingTransform((8, per_tile)),
                      plgpu.SwizzleTransform(swizzle))),
-      plgpu.RefType()))
-  def quantize(_, x, q, qs):
-    mgpu, _, ir, arith, vector = _mgpu()
+      plgpu.RefType()) if quantize else (
+          plgpu.RefType(),
+          plgpu.RefType((plgpu.TilingTransform((8, per_tile)),
+                         plgpu.SwizzleTransform(swizzle)))))
+  def stage(_, x, q, *qs):
+    mgpu, _, ir, arith, _ = _mgpu()
     from jax._src.lib.mlir.dialects import llvm  # lowering-time only
     from jax._src.lib.mlir.dialects import math as mlir_math
     i64 = ir.IntegerType.get_signless(64)
     f32 = ir.F32Type.get()
-    i8 = ir.IntegerType.get_signless(8)
     c = lambda v: arith.constant(i64, v)  # noqa: E731
     f = lambda v: arith.constant(f32, v)  # noqa: E731
     tid = arith.andi(arith.extui(i64, mgpu.utils.thread_idx()), c(127))
@@ -303,6 +309,7 @@ def _quantize_rows(x_ref, q_ref, qs_ref, scale_mult: float) -> None:
     x_addr = arith.addi(llvm.ptrtoint(i64, x_ptr), arith.muli(
         arith.addi(arith.muli(row, c(h)), first), c(itemsize)))
     x_type = ir.MemRefType(x.type).element_type
+    q_type = ir.MemRefType(q.type).element_type
     values = []
     for i in range(0, per, load):
       v = llvm.load(ir.VectorType.get((load,), x_type),
@@ -312,35 +319,44 @@ def _quantize_rows(x_ref, q_ref, qs_ref, scale_mult: float) -> None:
       for e in range(load):
         value = _element(v, e)
         values.append(value if x_type == f32 else arith.extf(f32, value))
-    amax = _tree(arith.maximumf, [mlir_math.absf(v) for v in values])
-    for d in range(1, lanes):       # NaN propagates (maximumf)
-      if d & (d - 1) == 0:
-        amax = arith.maximumf(amax, mgpu.utils.shfl_bfly(amax, d))
-    finite = arith.cmpf(arith.CmpFPredicate.OLT, amax, f(math.inf))
-    positive = arith.cmpf(arith.CmpFPredicate.OGT, amax, f(0.0))
-    scale = arith.select(positive, arith.divf(amax, f(127.0)), f(1.0))
-    q8 = []
-    for v in values:   # clamps by minnum/maxnum: a NaN gives a defined int
-      r = mlir_math.roundeven(arith.divf(v, scale))
-      r = arith.maxnumf(arith.minnumf(r, f(127.0)), f(-127.0))
-      q8.append(arith.fptosi(i8, r))
+    if quantize:
+      amax = _tree(arith.maximumf, [mlir_math.absf(v) for v in values])
+      for d in range(1, lanes):       # NaN propagates (maximumf)
+        if d & (d - 1) == 0:
+          amax = arith.maximumf(amax, mgpu.utils.shfl_bfly(amax, d))
+      finite = arith.cmpf(arith.CmpFPredicate.OLT, amax, f(math.inf))
+      positive = arith.cmpf(arith.CmpFPredicate.OGT, amax, f(0.0))
+      scale = arith.select(positive, arith.divf(amax, f(127.0)), f(1.0))
+      out = []
+      for v in values:   # clamps by minnum/maxnum: NaN gives a defined int
+        r = mlir_math.roundeven(arith.divf(v, scale))
+        r = arith.maxnumf(arith.minnumf(r, f(127.0)), f(-127.0))
+        out.append(arith.fptosi(q_type, r))
+      qs_ptr = mgpu.utils.memref_ptr(qs[0])
+      llvm.store(arith.select(finite, arith.mulf(scale, f(scale_mult)),
+                              f(math.nan)),
+                 llvm.inttoptr(qs_ptr.type, arith.addi(
+                     llvm.ptrtoint(i64, qs_ptr), arith.muli(row, c(4)))))
+    else:
+      out = [arith.truncf(q_type, v) for v in values]
     q_ptr = mgpu.utils.memref_ptr(q)
     q_base = llvm.ptrtoint(i64, q_ptr)
+    tiles_per_row = h // per_tile
     for i in range(0, per, store):
-      addr = arith.addi(q_base, arith.addi(arith.muli(row, c(h)),
-                                           arith.addi(first, c(i))))
+      e = arith.addi(first, c(i))     # the row's element, then its tile
+      tile = arith.addi(arith.muli(arith.divui(row, c(8)), c(tiles_per_row)),
+                        arith.divui(e, c(per_tile)))
+      addr = arith.addi(q_base, arith.addi(
+          arith.addi(arith.muli(tile, c(8 * swizzle)),
+                     arith.muli(arith.remui(row, c(8)), c(swizzle))),
+          arith.muli(arith.remui(e, c(per_tile)), c(out_size))))
       chunk = arith.shli(
           arith.andi(arith.shrui(addr, c(7)), c(chunk_mask)), c(4))
-      llvm.store(_vector(q8[i:i + store]),
+      llvm.store(_vector(out[i:i + store]),
                  llvm.inttoptr(q_ptr.type, arith.xori(addr, chunk)),
-                 alignment=store)
-    qs_ptr = mgpu.utils.memref_ptr(qs)
-    out = arith.select(finite, arith.mulf(scale, f(scale_mult)),
-                       f(math.nan))
-    llvm.store(out, llvm.inttoptr(qs_ptr.type, arith.addi(
-        llvm.ptrtoint(i64, qs_ptr), arith.muli(row, c(4)))))
+                 alignment=store * out_size)
 
-  quantize(x_ref, q_ref, qs_ref)
+  stage(x_ref, q_ref, *(() if qs_ref is None else (qs_ref,)))
 
 
 def _store_rows(x: jax.Array, ref) -> None:
@@ -642,14 +658,15 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
                          jnp.int32(cons))
 
         plgpu.barrier_wait(q_bar.at[qslot])
-        if quantized:   # each consumer quantizes Q into its own tile
-          q_tile = q_smem.at[wg, qslot]
-          _quantize_rows(qx_smem.at[qslot], q_tile, qs_smem.at[wg, qslot],
-                         scale_mult)
-          plgpu.commit_smem()   # before the wgmma reads it
+        # Each consumer quantizes (16-bit: copies) Q into its own tile.
+        q_tile = q_smem.at[wg, qslot]
+        _stage_query(qx_smem.at[qslot], q_tile,
+                     qs_smem.at[wg, qslot] if quantized else None,
+                     scale_mult)
+        plgpu.commit_smem()   # before the wgmma reads it
+        if quantized:
           qs = load_all(qs_smem.at[wg, qslot], head_layout)
         else:
-          q_tile = q_smem.at[qslot]
           qs = heads(scale_mult)
 
         def step(i, carry, masked: bool):
@@ -852,9 +869,10 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
         def _():
           plgpu.barrier_wait(q_free.at[qslot])
 
-        plgpu.copy_gmem_to_smem(
-            q_ref.at[batch, pl.ds(head * groups, nq)],
-            (qx_smem if quantized else q_smem).at[qslot], q_bar.at[qslot])
+        # Into an unswizzled buffer: a TMA into a swizzled tile would need
+        # a first row that is a multiple of 8.
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(head * groups, nq)],
+                                qx_smem.at[qslot], q_bar.at[qslot])
         if vm_ref is not None:
           plgpu.copy_gmem_to_smem(vm_ref.at[head], vm_smem.at[qslot],
                                   q_bar.at[qslot])
@@ -899,9 +917,8 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
     p_tile = (pps, nq, ps)
     p_dtype = quant.FP8_DTYPE if quantized else page_dtype
     smem = (
-        plgpu.SMEM((2, nq, h), q.dtype) if quantized else None,
-        wgmma_smem((cons, 2, nq, h), jnp.int8) if quantized
-        else wgmma_smem((2, nq, h), page_dtype),
+        plgpu.SMEM((2, nq, h), q.dtype),
+        wgmma_smem((cons, 2, nq, h), jnp.int8 if quantized else page_dtype),
         plgpu.SMEM((cons, 2, nq), jnp.float32) if quantized else None,
         wgmma_smem((stages, sk, h), page_dtype),
         plgpu.SMEM((stages, sk), jnp.float32) if quantized else None,
