@@ -100,6 +100,8 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
       kw["overlap_qk"] = bool(int(value))
     elif name == "rs":
       kw["register_softmax"] = bool(int(value))
+    elif name == "heavy":  # causal: last query tiles first (1) or not
+      kw["heavy_first"] = bool(int(value))
     elif name == "qk":  # Q quantized in the kernel (1) or by a pass (0)
       kw["quantize_q"] = bool(int(value))
     else:

@@ -90,6 +90,9 @@ class MosaicTiling:
       kernel). Off: measured slower on an H100 (benchmarks/NOTES.md, Mosaic
       section 6): the prologue costs a CTA as much as the pass saves, and
       the unprofiled KV loop ran 6% slower at H=128.
+    heavy_first: under a causal mask the CTAs of the last query rows (the
+      most KV blocks) start first, so that the grid's last wave holds the
+      shortest ones (CTAs start in grid order).
   """
 
   block_q: int = 64
@@ -102,6 +105,7 @@ class MosaicTiling:
   overlap_qk: bool = False
   register_softmax: bool = True
   quantize_q: bool = False
+  heavy_first: bool = True
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -518,6 +522,8 @@ def attention_forward(
     sched = scratch[3]
     head = lax.axis_index("heads")
     qt = lax.axis_index("q_tiles")
+    if spec.is_causal and tiling.heavy_first:
+      qt = t_pad // (2 * bq) - 1 - qt
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
     kv_head = lax.div(head, jnp.int32(g))
