@@ -550,7 +550,19 @@ def mosaic_tiling_sweep(run: Run):
   return {("mosaic", ps): tiling for ps, (_, tiling) in best.items()}
 
 
-def decode_sweep(run: Run, copy_bw: float, tilings, configs=None):
+def chained(fn, calls: int):
+  """``calls`` dependent calls of ``fn(q, pools)`` in one program (each
+  call's queries take a trace of the last output), as decode runs inside a
+  model's step: times the device, not the host's dispatch of one call."""
+  def run(q, pools):
+    def body(q, _):
+      return q + (fn(q, pools) * 1e-3).astype(q.dtype), None
+    return jax.lax.scan(body, q, None, length=calls, unroll=True)[0]
+  return run
+
+
+def decode_sweep(run: Run, copy_bw: float, tilings, configs=None,
+                 chain: int = 1):
   if configs:
     pass
   elif run.smoke:
@@ -574,9 +586,12 @@ def decode_sweep(run: Run, copy_bw: float, tilings, configs=None):
                tb_s={})
     for name, (fn, nbytes) in decode_variants(b, s, pools, tilings,
                                               run.smoke).items():
+      if chain > 1:
+        fn = chained(fn, chain)
       t = run.guard(f"{name} B={b} S={s}", seconds, fn,
                     *[(q, pools) for q in qs])
       if t is not None:
+        t = t / chain
         row["us"][name] = t * 1e6
         row["tb_s"][name] = nbytes / t / 1e12
     us = row["us"]
@@ -793,6 +808,10 @@ def main():
   parser.add_argument("--configs", default=None,
                       help="with --decode-only: shapes as BxTOKENS,... "
                       "(e.g. 8x4096,64x4096)")
+  parser.add_argument("--chain", type=int, default=1,
+                      help="with --decode-only: time this many dependent "
+                      "decode calls in one program, per call (the host's "
+                      "dispatch of a single call bounds small shapes)")
   parser.add_argument("--cache-error", action="store_true",
                       help="only the cache quantization error table (CPU)")
   args = parser.parse_args()
@@ -819,7 +838,9 @@ def main():
     if args.configs:
       configs = [tuple(int(x) for x in c.split("x"))
                  for c in args.configs.split(",")]
-    run.guard("decode", decode_sweep, run, copy_bw, tilings, configs)
+    run.data["chain"] = args.chain
+    run.guard("decode", decode_sweep, run, copy_bw, tilings, configs,
+              args.chain)
     run.save()
     report(run)
     return
