@@ -1040,14 +1040,19 @@ def _check_non_finite(key, quantized, impls, *, page_size, head_dim, dtype):
     (64, 128, 8, 700, dict(quantized=False, num_splits=1)),
     (128, 32, 4, None, dict(num_splits=1, num_ctas=3, q_f32=True)),
     (128, 64, 16, None, dict(num_splits=1, num_consumers=4, num_ctas=5)),
-    (64, 64, 2, None, dict(num_splits=1, num_ctas=4))])
+    (64, 64, 2, None, dict(num_splits=1, num_ctas=4)),
+    (128, 64, 4, None, dict(num_splits=4, merge_splits=False)),
+    (128, 32, 8, None, dict(num_splits=3, num_ctas=5, q_f32=True))])
 def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   """The Mosaic decode, compiled, device memory poisoned first, on INT8/FP8
   and bf16 pages: lengths 4100, 1000, 65, 64, 63, 17 and 1 (partly filled
   last pages, a shared prefix), GQA g/2, channel-bias data, NaN in the
-  stale slots past each sequence's last token; against the ``"xla"`` reference (same FP8 P̃ and
-  normalization blocks) and dense attention over the cache's dequantized
-  tokens. A page id outside the pool gives NaN for its sequence only."""
+  stale slots past each sequence's last token; against the ``"xla"``
+  reference (same FP8 P̃ and normalization blocks) and dense attention over
+  the cache's dequantized tokens. Splits merged in the kernel (several
+  splits on distinct CTAs) and by XLA (``merge_splits=False``, or more
+  splits than CTAs). A page id outside the pool, or a length out of range,
+  gives NaN for its sequence only."""
   from sagejax.kernels import mosaic_decode
   from sagejax.kernels.mosaic_decode import DecodeTiling
   tiling = dict(tiling)

@@ -102,6 +102,10 @@ class DecodeTiling:
     consumer_registers, producer_registers: per-thread registers
       (``setmaxnreg``); None: what the register file leaves the consumers
       beside a producer of ``producer_registers``.
+    merge_splits: several splits of a sequence merged in the kernel (the
+      first split's CTA waits on a semaphore for the others' partials) when
+      the CTAs are all resident (at most one per SM) and the splits on
+      distinct CTAs; otherwise, or False, the caller merges them.
   """
 
   num_consumers: int = 2
@@ -110,6 +114,7 @@ class DecodeTiling:
   num_ctas: Optional[int] = None
   consumer_registers: Optional[int] = None
   producer_registers: int = 40
+  merge_splits: bool = True
 
   def __post_init__(self):
     if self.num_consumers not in (1, 2, 3, 4):
@@ -421,6 +426,55 @@ def _load_rows(ref, h: int) -> jax.Array:
   return load(ref)
 
 
+def _store_columns(x: jax.Array, ref) -> None:
+  """``ref[g] = x[g]`` for an f32 ``[NQ]`` column-layout vector (one
+  value per ``wgmma`` column, held by every row's thread) and an unswizzled
+  ``ref [NQ]`` (shared or global memory)."""
+  nq = x.shape[0]
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(0),
+                                plgpu.RefType()))
+  def store(_, x, ref):
+    mgpu, _, ir, arith, _ = _mgpu()
+    from jax._src.lib.mlir.dialects import memref  # lowering-time only
+    index = ir.IndexType.get()
+    i32 = ir.IntegerType.get_signless(32)
+    c = lambda v: arith.constant(i32, v)  # noqa: E731
+    col = arith.muli(arith.andi(mgpu.utils.thread_idx(), c(3)), c(2))
+    for n8, v in enumerate(x.registers.reshape(-1)):
+      for e in range(2):
+        memref.store(_element(v, e), ref, [arith.index_cast(
+            index, arith.addi(col, c(8 * n8 + e)))])
+
+  store(x, ref)
+
+
+def _load_columns(ref) -> jax.Array:
+  """The f32 ``[NQ]`` column-layout vector :func:`_store_columns` stored."""
+  nq = ref.shape[0]
+  layout = plgpu.Layout.WGMMA.reduce(0)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(),),
+      return_type=plgpu.ShapeDtypeStruct((nq,), jnp.float32, layout=layout))
+  def load(_, ref):
+    mgpu, fa, ir, arith, _ = _mgpu()
+    from jax._src.lib.mlir.dialects import memref  # lowering-time only
+    index = ir.IndexType.get()
+    i32 = ir.IntegerType.get_signless(32)
+    c = lambda v: arith.constant(i32, v)  # noqa: E731
+    col = arith.muli(arith.andi(mgpu.utils.thread_idx(), c(3)), c(2))
+    col_layout = fa.WGMMA_LAYOUT.reduce((0,))
+    regs = np.empty(col_layout.registers_shape((nq,)), dtype=object)
+    for n8 in range(nq // 8):
+      regs.reshape(-1)[n8] = _vector([memref.load(ref, [arith.index_cast(
+          index, arith.addi(col, c(8 * n8 + e)))]) for e in range(2)])
+    return mgpu.FragmentedArray(_registers=regs, _layout=col_layout,
+                                _is_signed=None)
+
+  return load(ref)
+
+
 def _over_keys(x: jax.Array, vs: Optional[jax.Array], scratch, op: str
                ) -> tuple[jax.Array, ...]:
   """Reductions over the keys (rows) of f32 ``x [keys, NQ]`` (WGMMA
@@ -527,21 +581,24 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
     num_splits: work items per (sequence, KV head), each a contiguous
       share of its steps.
     v_smooth: f32 ``[K, H]`` added to the output of every head that saw a
-      key (one split only; with several the caller merges and adds it).
+      key (by the kernel when it writes the final output, else by the
+      caller's merge).
     out_dtype: the merged output's dtype (one split); default ``q``'s.
 
   Returns:
-    One split: ``(out, None)``, ``out [B, N, H]`` merged over the CTA's
-    consumers in the kernel; NaN for every head of a sequence whose length
-    is outside ``[1, max_pages · page_size]`` or, without a window, whose
-    used pages include an id outside the pool (with a window the caller
-    checks: pages before it are never read). Several splits: ``(out, lse)``,
-    f32 ``[parts, B, K, NQ, H]`` partial outputs, each
-    normalized by its own sum, and their base-2 LSEs f32 ``[parts, B, K,
-    MAX_GROUPS]`` (−inf where a partial saw no key; entries past NQ
-    undefined), ``parts = num_splits · num_consumers`` (partial ``consumers
-    · split + consumer``), for :func:`~sagejax.serving.triton_paged.
-    merge_splits`.
+    ``(out, None)`` when the kernel writes the final output (one split, or
+    several merged in it: ``tiling.merge_splits`` with all CTAs resident and
+    the splits on distinct CTAs): ``out [B, N, H]``, ``v_smooth`` added;
+    NaN for every head of a sequence whose length is outside ``[1,
+    max_pages · page_size]`` or, without a window, whose used pages include
+    an id outside the pool (with a window the caller checks: pages before
+    it are never read). Otherwise ``(out, lse)``: f32 ``[parts, B, K, NQ,
+    H]`` partial outputs, each normalized by its own sum, and their base-2
+    LSEs f32 ``[parts, B, K, MAX_GROUPS]`` (−inf where a partial saw no
+    key; entries past NQ undefined), ``parts = num_splits · num_consumers``
+    (partial ``consumers · split + consumer``), for
+    :func:`~sagejax.serving.triton_paged.merge_splits` (which adds
+    ``v_smooth``); the caller checks the sequences.
   """
   b, n, h = q.shape
   kh, num_pages, ps, _ = k_pages.shape
@@ -549,8 +606,14 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
   nq = padded_groups(groups)
   max_pages = page_table.shape[1]
   quantized = k_scales is not None
-  merged = num_splits == 1
-  check_pages = merged and window is None
+  items = num_splits * kh * b
+  ctas = min(items, tiling.num_ctas or sm_count())
+  # The kernel writes the final output with one split, and with several
+  # when their CTAs are all resident and distinct: the first split's CTA
+  # waits for the others, which always run elsewhere or earlier.
+  final = num_splits == 1 or (tiling.merge_splits and ctas <= sm_count()
+                              and num_splits <= ctas)
+  check_pages = final and window is None
   out_dtype = jnp.dtype(out_dtype or q.dtype)
   sk = step_keys(ps)
   pps = sk // ps               # pages per step
@@ -578,9 +641,6 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
                         k_pages.dtype or v_scales is not None):
     raise ValueError("16-bit pages: k_pages and v_pages [K, P, page_size, "
                      "H] of one 16-bit dtype, q in it, no scales.")
-  if v_smooth is not None and not merged:
-    raise ValueError("v_smooth is added by the caller's merge when "
-                     "num_splits > 1.")
   if n < nq:   # a TMA box of NQ query rows must fit in N
     q = jnp.pad(q, ((0, 0), (0, nq - n), (0, 0)))
   page_dtype = k_pages.dtype
@@ -593,9 +653,6 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
   key_layout = plgpu.Layout.WGMMA.reduce(1)    # [keys]: one per row
   head_layout = plgpu.Layout.WGMMA.reduce(0)   # [NQ]: one per column
 
-  items = num_splits * kh * b
-  ctas = min(items, tiling.num_ctas or sm_count())
-
   def kernel(*refs):
     refs = list(refs)
     q_ref = refs.pop(0)
@@ -604,7 +661,11 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
     pt_ref, kl_ref = refs.pop(0), refs.pop(0)
     vm_ref = refs.pop(0) if v_smooth is not None else None
     out_ref = refs.pop(0)
-    lse_ref = None if merged else refs.pop(0)
+    lse_ref = None if final else refs.pop(0)
+    part_ref = part_lse_ref = sems = None
+    if final and num_splits > 1:
+      part_ref, part_lse_ref = refs.pop(0), refs.pop(0)
+      sems = pl.get_global(plgpu.SemaphoreType.REGULAR((b * kh,)))
     scratch = refs.pop(0)
     (qx_smem, q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, p_smem,
      o_smem, lse_smem, x_smem, out_smem, vm_smem, flag_smem) = scratch[0]
@@ -777,8 +838,8 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
         if quantized:
           lse = lse - _LOG2_P_SCALE
         lse = jnp.where(seen, lse, -jnp.inf)
-        if merged:
-          finish_merged(it, qslot, batch, head, bad_length, o, lse)
+        if final:
+          finish_final(it, qslot, batch, head, split, bad_length, o, lse)
         else:
           # The last item's partials have left shared memory (the issuing
           # thread waits; the barrier tells the others).
@@ -795,11 +856,34 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
         plgpu.barrier_arrive(q_free.at[qslot])
         return done + (s_hi - s_lo)
 
-      def finish_merged(it, qslot, batch, head, bad_length, o, lse):
-        """The item's consumers' partials merged by their LSEs (as
-        ``merge_splits``) in consumer 0, which writes ``out[batch,
-        head·G : (head + 1)·G]``; the others hand theirs over in shared
-        memory."""
+      def combine(os, lses):
+        """Partial outputs (normalized, ``[H, NQ]``) and their base-2 LSEs
+        merged as ``merge_splits`` does: (output, LSE, seen)."""
+        m = lses[0]
+        for x in lses[1:]:
+          m = jnp.maximum(m, x)
+        m = jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)   # −inf, NaN: 0
+        ws = [jnp.exp2(x - m) for x in lses]
+        den = ws[0]
+        num = os[0] * lax.broadcast_in_dim(ws[0], (h, nq), [1])
+        for w, x in zip(ws[1:], os[1:]):
+          den = den + w
+          num = num + x * lax.broadcast_in_dim(w, (h, nq), [1])
+        seen = den > 0
+        out = num / lax.broadcast_in_dim(jnp.where(seen, den, 1.0),
+                                         (h, nq), [1])
+        seen2 = lax.broadcast_in_dim(seen, (h, nq), [1])
+        out = jnp.where(seen2, out, jnp.where(out != out, out, 0.0))
+        lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, den, 1.0)),
+                        jnp.where(den != den, den, -jnp.inf))
+        return out, lse, seen
+
+      def finish_final(it, qslot, batch, head, split, bad_length, o, lse):
+        """Consumer 0 merges the item's consumers' partials (the others
+        hand theirs over in shared memory). One split: it writes ``out[batch,
+        head·G : (head + 1)·G]``. Several: splits after the first write their
+        partial to global memory and signal the sequence's semaphore; the
+        first split's CTA waits for them, merges and writes."""
         if cons > 1:
           @pl.when(wg > 0)
           def _hand_over():
@@ -821,38 +905,50 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
               lses.append(load_all(lse_smem.at[k, pl.ds(0, nq)],
                                    head_layout))
             plgpu.barrier_arrive(part_free)
-          m = lses[0]
-          for x in lses[1:]:
-            m = jnp.maximum(m, x)
-          m = jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)   # −inf, NaN: 0
-          ws = [jnp.exp2(x - m) for x in lses]
-          den = ws[0]
-          num = os[0] * lax.broadcast_in_dim(ws[0], (h, nq), [1])
-          for w, x in zip(ws[1:], os[1:]):
-            den = den + w
-            num = num + x * lax.broadcast_in_dim(w, (h, nq), [1])
-          seen = den > 0
-          out = num / lax.broadcast_in_dim(jnp.where(seen, den, 1.0),
-                                           (h, nq), [1])
-          seen2 = lax.broadcast_in_dim(seen, (h, nq), [1])
-          out = jnp.where(seen2, out, jnp.where(out != out, out, 0.0))
-          if vm_ref is not None:
-            vm = load_all(vm_smem.at[qslot], key_layout)   # [H]: per row
-            out = out + jnp.where(seen2, lax.broadcast_in_dim(vm, (h, nq),
-                                                              [0]), 0.0)
+          out, lse_c, seen = combine(os, lses)
           bad = bad_length
           if check_pages:
             plgpu.barrier_wait(flag_bar.at[qslot])
             bad = bad | (flag_smem[qslot] != 0)
-          out = out + jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(0))
-          # The item before last's rows have left shared memory.
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-          plgpu.commit_smem()
-          _store_rows(out.astype(out_dtype), out_smem.at[qslot])
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              out_smem.at[qslot, pl.ds(0, groups)],
-              out_ref.at[batch, pl.ds(head * groups, groups)])
+          nan = jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(0))
+
+          def write(out, seen):
+            seen2 = lax.broadcast_in_dim(seen, (h, nq), [1])
+            if vm_ref is not None:
+              vm = load_all(vm_smem.at[qslot], key_layout)   # [H]: per row
+              out = out + jnp.where(
+                  seen2, lax.broadcast_in_dim(vm, (h, nq), [0]), 0.0)
+            # The item before last's rows have left shared memory.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            plgpu.commit_smem()
+            _store_rows(out.astype(out_dtype), out_smem.at[qslot])
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[qslot, pl.ds(0, groups)],
+                out_ref.at[batch, pl.ds(head * groups, groups)])
+
+          if num_splits == 1:
+            write(out + nan, seen)
+            return
+          # A bad sequence's partials are NaN, so its merge is.
+          out, lse_c = out + nan, lse_c + nan
+          sem = sems.at[batch * kh + head]
+
+          @pl.when(split > 0)
+          def _publish():
+            _store_rows(out, part_ref.at[split, batch, head])
+            _store_columns(lse_c, part_lse_ref.at[split, batch, head])
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+          @pl.when(split == 0)
+          def _gather():
+            plgpu.semaphore_wait(sem, num_splits - 1, memory_scope="gpu")
+            os, lses = [out], [lse_c]
+            for k in range(1, num_splits):
+              os.append(_load_rows(part_ref.at[k, batch, head], h))
+              lses.append(_load_columns(part_lse_ref.at[k, batch, head]))
+            merged, _, seen_all = combine(os, lses)
+            write(merged, seen_all)
 
       lax.fori_loop(0, n_items, run_item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
@@ -928,7 +1024,7 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
         plgpu.SMEM((cons, nq, h), jnp.float32),
         plgpu.SMEM((cons, MAX_GROUPS), jnp.float32),
         plgpu.SMEM((cons, 4, 4, nq + 8), jnp.float32),   # _over_keys
-        plgpu.SMEM((2, nq, h), out_dtype) if merged else None,
+        plgpu.SMEM((2, nq, h), out_dtype) if final else None,
         plgpu.SMEM((2, h), jnp.float32) if v_smooth is not None else None,
         plgpu.SMEM((2,), jnp.int32) if check_pages else None,
     )
@@ -945,8 +1041,12 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
         collective_axes="wg")
 
-  if merged:
+  if final:
     out_type = (jax.ShapeDtypeStruct((b, n, h), out_dtype),)
+    if num_splits > 1:   # the splits' partials, for the first to merge
+      out_type += (
+          jax.ShapeDtypeStruct((num_splits, b, kh, nq, h), jnp.float32),
+          jax.ShapeDtypeStruct((num_splits, b, kh, nq), jnp.float32))
   else:
     parts = cons * num_splits
     out_type = (jax.ShapeDtypeStruct((parts, b, kh, nq, h), jnp.float32),
@@ -962,4 +1062,4 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(*(x for x in (q, k_pages, k_scales, v_pages, v_scales, page_table,
                   kv_len, v_smooth) if x is not None))
-  return (outs[0], None) if merged else tuple(outs)
+  return (outs[0], None) if final else tuple(outs)

@@ -301,24 +301,20 @@ def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
     q = q.astype(cache.k_pages.dtype)
   page_table = page_table.astype(jnp.int32)
   kv_len = kv_len.astype(jnp.int32)
-  bad = None
-  if splits > 1 or math.window is not None:
-    # The kernel checks lengths, and the page ids it reads; with a window
-    # the pages before it are checked here, with splits the merge is.
-    ones = jnp.ones_like(kv_len)
-    bad = bad_sequences(page_table, kv_len, ones, ones, cache.num_pages, ps)
-    kv_len = jnp.where(bad, 0, kv_len)
   out, lse = mosaic_decode.decode_forward(
       q, cache.k_pages, cache.k_scales, cache.v_pages, cache.v_scales,
       page_table, kv_len, sm_scale=math.sm_scale, window=math.window,
-      num_splits=splits,
-      v_smooth=cache.v_smooth if splits == 1 else None,
-      out_dtype=out_dtype, tiling=tiling)
-  if splits > 1:
+      num_splits=splits, v_smooth=cache.v_smooth, out_dtype=out_dtype,
+      tiling=tiling)
+  if lse is not None:   # partials, merged here
     parts = out.shape[0]   # [parts, B, K, NQ, H] -> [parts, B, N, H]
     out = out[..., :groups, :].reshape(parts, b, n, h)
     out = merge_splits(out, lse[..., :groups].reshape(parts, b, n),
                        cache.v_smooth, out_dtype)
-  if bad is not None:
+  if lse is not None or math.window is not None:
+    # The kernel checks lengths, and page ids when it merges without a
+    # window; the pages before a window it never reads.
+    ones = jnp.ones_like(kv_len)
+    bad = bad_sequences(page_table, kv_len, ones, ones, cache.num_pages, ps)
     out = jnp.where(bad[:, None, None], jnp.asarray(jnp.nan, out_dtype), out)
   return out
