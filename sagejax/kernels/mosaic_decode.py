@@ -938,6 +938,7 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
           def _publish():
             _store_rows(out, part_ref.at[split, batch, head])
             _store_columns(lse_c, part_lse_ref.at[split, batch, head])
+            plgpu.commit_smem()   # every thread's stores, then the release
             plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
           @pl.when(split == 0)
