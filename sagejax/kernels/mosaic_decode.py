@@ -30,9 +30,18 @@ normalization block of :class:`sagejax.serving.reference.PagedMath`
 whose swizzle matches the V tile's) by element stores at the hardware
 swizzle (:func:`_store_transposed`); the maxima and sums over keys cross the
 warpgroup's warps through each consumer's own shared memory
-(:func:`_over_keys`). Each consumer writes its normalized partial output and
-base-2 LSE; the partials of all consumers and splits are merged by LSE
-outside (as the Triton kernel's splits are).
+(:func:`_over_keys`).
+
+The queries arrive as they are (``[B, N, H]``): the producer copies the
+group's rows into shared memory and each consumer quantizes them per row
+into its own INT8 tile (:func:`_stage_query`). At the end of an item
+consumer 0 merges the consumers' partials by their LSEs. With one split it
+writes the output; with several, a split after the first publishes its
+partial in global memory and signals a per-sequence semaphore, and the
+first split's CTA waits, merges and writes (``DecodeTiling.merge_splits``,
+when every CTA is resident and the splits are on distinct CTAs; otherwise
+the partials go out for the caller's merge). A sequence whose length is out
+of range or whose pages include an id outside the pool gives NaN.
 
 16-bit pages (``k_scales`` None: bf16/fp16 K and V ``[page_size, H]``, pages
 of 64 or 128) take the same path with 16-bit products: Q in the pages'

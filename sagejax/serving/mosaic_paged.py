@@ -6,9 +6,10 @@ pages (or 16-bit pages) straight from the pool with TMA (no gather) and runs
 INT8 Q·Kᵀ and FP8 P̃·V (or 16-bit products) with the keys as the rows of its
 ``wgmma`` tiles and the GQA group's query heads as their columns (P̃
 normalized per step of :func:`~sagejax.kernels.mosaic_decode.step_keys` keys
-by their largest V scale: ``PagedMath.block_k``). Queries are quantized per
-row before it; the partial outputs of its consumers and splits are merged by
-LSE after it. INT8/FP8 pages of 32, 64 or 128 tokens (16-bit: 64 or 128),
+by their largest V scale: ``PagedMath.block_k``). It quantizes the queries
+per row and merges its consumers' and splits' partials by LSE itself (one
+launch), except where its CTAs cannot all be resident (then XLA merges the
+splits after it). INT8/FP8 pages of 32, 64 or 128 tokens (16-bit: 64 or 128),
 head dims 64 and 128, at most 32 query heads per KV head, no soft-cap
 (:func:`decode_unsupported`).
 
