@@ -218,6 +218,23 @@ def choose_splits(pairs: int, steps: int, ctas: int,
   return best
 
 
+def _thread_coords(bits: int = 32):
+  """(row, column) of this thread's first element in a WGMMA-layout tile
+  (lowering-time): thread ``4r + c`` of warp ``w`` holds rows ``16w + r``
+  (``+ 8``, ``+ 64·t``) and columns ``2c``, ``2c + 1`` (``+ 8·n``); as
+  ``bits``-wide integers."""
+  mgpu, _, ir, arith, _ = _mgpu()
+  t = ir.IntegerType.get_signless(bits)
+  c = lambda v: arith.constant(t, v)  # noqa: E731
+  tid = mgpu.utils.thread_idx()
+  if bits != 32:
+    tid = arith.extui(t, tid)
+  lane = arith.andi(tid, c(31))
+  warp = arith.andi(arith.shrui(tid, c(5)), c(3))
+  row = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
+  return row, arith.muli(arith.andi(lane, c(3)), c(2))
+
+
 def _store_transposed(p: jax.Array, ref, page_size: int) -> None:
   """``ref[k // page_size, g, k % page_size] = p[k, g]`` for ``p [keys,
   NQ]`` (WGMMA layout; FP8 or 16-bit) and ``ref [keys / page_size, NQ,
@@ -243,11 +260,7 @@ def _store_transposed(p: jax.Array, ref, page_size: int) -> None:
     word = ir.IntegerType.get_signless(8 * itemsize)
     i64 = ir.IntegerType.get_signless(64)
     c = lambda v: arith.constant(i64, v)  # noqa: E731
-    tid = arith.extui(i64, mgpu.utils.thread_idx())
-    lane = arith.andi(tid, c(31))
-    warp = arith.andi(arith.shrui(tid, c(5)), c(3))
-    row = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
-    col = arith.muli(arith.andi(lane, c(3)), c(2))
+    row, col = _thread_coords(64)
     ptr = mgpu.utils.memref_ptr(smem)
     base = llvm.ptrtoint(i64, ptr)
     regs = p.registers.reshape(keys // 64, nq // 8, 2)
@@ -380,16 +393,12 @@ def _store_rows(x: jax.Array, ref) -> None:
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
   def store(_, x, smem):
-    mgpu, _, ir, arith, _ = _mgpu()
+    _, _, ir, arith, _ = _mgpu()
     from jax._src.lib.mlir.dialects import memref  # lowering-time only
     index = ir.IndexType.get()
     i32 = ir.IntegerType.get_signless(32)
     c = lambda v: arith.constant(i32, v)  # noqa: E731
-    tid = mgpu.utils.thread_idx()
-    lane = arith.andi(tid, c(31))
-    warp = arith.andi(arith.shrui(tid, c(5)), c(3))
-    row = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
-    col = arith.muli(arith.andi(lane, c(3)), c(2))
+    row, col = _thread_coords()
     regs = x.registers.reshape(h // 64, nq // 8, 2)
     for tile, n8, half in np.ndindex(regs.shape):
       hh = arith.index_cast(index, arith.addi(row, c(64 * tile + 8 * half)))
@@ -416,11 +425,7 @@ def _load_rows(ref, h: int) -> jax.Array:
     index = ir.IndexType.get()
     i32 = ir.IntegerType.get_signless(32)
     c = lambda v: arith.constant(i32, v)  # noqa: E731
-    tid = mgpu.utils.thread_idx()
-    lane = arith.andi(tid, c(31))
-    warp = arith.andi(arith.shrui(tid, c(5)), c(3))
-    row = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
-    col = arith.muli(arith.andi(lane, c(3)), c(2))
+    row, col = _thread_coords()
     shape = fa.WGMMA_LAYOUT.registers_shape((h, nq))
     regs = np.empty(shape, dtype=object)
     flat = regs.reshape(h // 64, nq // 8, 2)
@@ -444,12 +449,12 @@ def _store_columns(x: jax.Array, ref) -> None:
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(0),
                                 plgpu.RefType()))
   def store(_, x, ref):
-    mgpu, _, ir, arith, _ = _mgpu()
+    _, _, ir, arith, _ = _mgpu()
     from jax._src.lib.mlir.dialects import memref  # lowering-time only
     index = ir.IndexType.get()
     i32 = ir.IntegerType.get_signless(32)
     c = lambda v: arith.constant(i32, v)  # noqa: E731
-    col = arith.muli(arith.andi(mgpu.utils.thread_idx(), c(3)), c(2))
+    _, col = _thread_coords()
     for n8, v in enumerate(x.registers.reshape(-1)):
       for e in range(2):
         memref.store(_element(v, e), ref, [arith.index_cast(
@@ -472,7 +477,7 @@ def _load_columns(ref) -> jax.Array:
     index = ir.IndexType.get()
     i32 = ir.IntegerType.get_signless(32)
     c = lambda v: arith.constant(i32, v)  # noqa: E731
-    col = arith.muli(arith.andi(mgpu.utils.thread_idx(), c(3)), c(2))
+    _, col = _thread_coords()
     col_layout = fa.WGMMA_LAYOUT.reduce((0,))
     regs = np.empty(col_layout.registers_shape((nq,)), dtype=object)
     for n8 in range(nq // 8):
