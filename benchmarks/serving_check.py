@@ -176,16 +176,15 @@ def dense(q, k, v, q_len, kv_len, window=None, cap=None):
 def attend(sc, *, decode, impl, poison=False, interpret=False, **kw):
   """decode_attention / extend_attention, with the kernel's outputs
   optionally poisoned (private entry point)."""
-  q = sc["q"][:, 0] if decode else sc["q"]   # decode: [B, N, H]
+  q = sc["q"][:, :1] if decode else sc["q"]
   out = serving_attention._attend(  # pylint: disable=protected-access
       q, sc["cache"], sc["table"], sc["kv_len"],
-      None if decode else sc["q_len"], None, decode=decode,
-      t_cap=1 if decode else q.shape[1],
+      None if decode else sc["q_len"], None, decode=decode, t_cap=q.shape[1],
       packed=False, scale=None, local_window_size=kw.get("window"),
       logits_soft_cap=kw.get("cap"), config=kw.get("config"),
       implementation=impl, tiling=kw.get("tiling"), interpret=interpret,
       poison=poison)
-  return out
+  return out[:, 0] if decode else out
 
 
 def correctness(run: Run):

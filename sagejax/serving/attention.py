@@ -268,10 +268,10 @@ def _paged(q, cache, page_table, lengths, q_len, cu_seqlens, *,
   n, h = q.shape[-2:]
   kv_len = lengths.astype(jnp.int32)
   page_table = page_table.astype(jnp.int32)
-  if isinstance(tiling, DecodeTiling):   # the Mosaic decode: q [B, N, H]
+  if isinstance(tiling, DecodeTiling):   # the Mosaic decode, T = 1
     return mosaic_paged.decode_attention(
-        q, kv_len, cache, page_table, math, out_dtype=q.dtype,
-        tiling=tiling)
+        q[:, 0], kv_len, cache, page_table, math, out_dtype=q.dtype,
+        tiling=tiling)[:, None]
   if packed:
     cu = cu_seqlens.astype(jnp.int32)
     q_start, q_len = cu[:-1], cu[1:] - cu[:-1]
@@ -428,12 +428,13 @@ def decode_attention(
     raise ValueError(f"q must be [B, N, H], got {q.shape}; use "
                      "extend_attention for several tokens.")
   _check(q[:, None], cache, page_table, lengths, None, None, 1)
-  return _attend(q, cache, page_table, lengths, None, None, decode=True,
-                 t_cap=1, packed=False, scale=scale,
-                 local_window_size=local_window_size,
-                 logits_soft_cap=logits_soft_cap, config=config,
-                 implementation=implementation, tiling=tiling,
-                 interpret=interpret)
+  out = _attend(q[:, None], cache, page_table, lengths, None, None,
+                decode=True, t_cap=1, packed=False, scale=scale,
+                local_window_size=local_window_size,
+                logits_soft_cap=logits_soft_cap, config=config,
+                implementation=implementation, tiling=tiling,
+                interpret=interpret)
+  return out[:, 0]
 
 
 def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
@@ -483,12 +484,7 @@ def _attend(q, cache, page_table, lengths, q_lengths, cu_seqlens, *, decode,
                               cache.quantized, cache.head_dim)
     block_k = max(tiling.block_k, cache.page_size)
   math = dataclasses.replace(math, block_k=block_k)
-  # Decode takes q [B, N, H]: the Mosaic decode as it is (no [B, 1, N, H]
-  # view around it: XLA copied the queries and the output for those), the
-  # others as one token per sequence.
-  token = decode and not isinstance(tiling, DecodeTiling)
-  out = _paged(q[:, None] if token else q, cache, page_table, lengths,
-               q_lengths, cu_seqlens, math=math, implementation=impl,
-               tiling=tiling, interpret=interpret, t_cap=t_cap,
-               packed=packed, poison=poison)
-  return out[:, 0] if token else out
+  return _paged(q, cache, page_table, lengths, q_lengths, cu_seqlens,
+                math=math, implementation=impl, tiling=tiling,
+                interpret=interpret, t_cap=t_cap, packed=packed,
+                poison=poison)
