@@ -178,6 +178,25 @@ def test_serving_rows(serving_run, mode):
                for n in rep["notes"])
 
 
+def test_decode_chain(tmp_path):
+  """``--chain R``: R dependent calls timed in one program, reported per
+  call; the chained function equals R calls in a Python loop."""
+  fn = lambda q, c: jnp.tanh(q * c)  # noqa: E731
+  q, c = jnp.linspace(-2.0, 2.0, 12).reshape(3, 4), jnp.float32(1.5)
+  want = q
+  for _ in range(3):
+    want = want + fn(want, c) * 1e-3
+  np.testing.assert_allclose(serving.chained(fn, 3)(q, c), want,
+                             rtol=1e-6)
+  assert main(["decode", "--seq", "64", "--chain", "3"] + SERVING_ARGS + [
+      "--backends", "xla", "--out", str(tmp_path)]) == 0
+  rep = json.loads((tmp_path / "results.json").read_text())
+  assert rep["settings"]["decode_chain"] == 3
+  rows = [r for r in rep["results"]["decode"] if r["status"] == "ok"]
+  assert rows and all(r["chain"] == 3 and r["calls"] % 3 == 0 and
+                      r["time_us"] > 0 for r in rows)
+
+
 def test_serving_markdown_and_plots(serving_run):
   out, _ = serving_run["decode"]
   md = (out / "results.md").read_text()

@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--page-size", type=int, metavar="P",
                  help="decode, extend: tokens per cache page, a power of two "
                  "(default 16)")
+  p.add_argument("--chain", type=int, metavar="R",
+                 help="decode: time R dependent calls in one program and "
+                 "report per call (default 1; the host's dispatch of one "
+                 "call bounds small decode shapes, ~80 us; R=10 measures "
+                 "the device, as decode runs inside a model's step)")
   p.add_argument("--causal", action=argparse.BooleanOptionalAction,
                  default=None,
                  help="only causal (--causal) or only not (--no-causal); "
@@ -254,7 +259,8 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser
   """Checks the arguments and fills in the defaults."""
   notes: list[str] = []
   commands = st.COMMANDS if args.command == "all" else (args.command,)
-  for flag in ("batch", "heads", "kv_heads", "repeats", "page_size"):
+  for flag in ("batch", "heads", "kv_heads", "repeats", "page_size",
+               "chain"):
     _positive(parser, "--" + flag.replace("_", "-"), getattr(args, flag))
   seqs = _sizes(args.seq, parser, "--seq")
   head_dims = _sizes(args.head_dim, parser, "--head-dim")
@@ -353,7 +359,9 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser
       extend_shapes=extend_shapes, timing=timing, kernel_only=args.kernel_only,
       plots=args.plots, progress=args.progress,
       write_results=args.write_results, section=args.section,
-      seed=args.seed, memory_limit=limit)
+      seed=args.seed, memory_limit=limit, chain=args.chain or 1)
+  if args.chain and "decode" not in commands:
+    notes.append("--chain applies to decode only; ignored.")
   return settings, notes
 
 

@@ -87,6 +87,7 @@ class Settings:
   section: Optional[str] = None
   seed: int = 0
   memory_limit: Optional[int] = None
+  chain: int = 1
 
   def as_json(self) -> dict[str, Any]:
     """The settings as plain data for the JSON report."""
@@ -113,6 +114,7 @@ class Settings:
         "extend_shapes": [dataclasses.asdict(s) for s in self.extend_shapes],
         "timing": dataclasses.asdict(self.timing),
         "seed": self.seed,
+        "decode_chain": self.chain,
     }
 
 
