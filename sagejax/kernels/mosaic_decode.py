@@ -114,7 +114,11 @@ class DecodeTiling:
     merge_splits: several splits of a sequence merged in the kernel (the
       first split's CTA waits on a semaphore for the others' partials) when
       the CTAs are all resident (at most one per SM) and the splits on
-      distinct CTAs; otherwise, or False, the caller merges them.
+      distinct CTAs; otherwise, or False, the caller merges them. The
+      semaphores (``pl.get_global``) belong to the compiled kernel and
+      return to zero after each call: two calls of it must not run at once
+      (XLA runs its compute kernels one after another on a stream; turn
+      this off where calls may overlap).
   """
 
   num_consumers: int = 2
