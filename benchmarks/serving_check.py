@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sagejax import quant, serving, testing
+from sagejax.bench import serving as bench_serving
 from sagejax.bench.timing import TimingConfig, time_calls
 from sagejax.serving import attention as serving_attention
 from sagejax.serving import cache as cache_lib
@@ -549,17 +550,6 @@ def mosaic_tiling_sweep(run: Run):
   return {("mosaic", ps): tiling for ps, (_, tiling) in best.items()}
 
 
-def chained(fn, calls: int):
-  """``calls`` dependent calls of ``fn(q, pools)`` in one program (each
-  call's queries take a trace of the last output), as decode runs inside a
-  model's step: times the device, not the host's dispatch of one call."""
-  def run(q, pools):
-    def body(q, _):
-      return q + (fn(q, pools) * 1e-3).astype(q.dtype), None
-    return jax.lax.scan(body, q, None, length=calls, unroll=True)[0]
-  return run
-
-
 def decode_sweep(run: Run, copy_bw: float, tilings, configs=None,
                  chain: int = 1):
   if configs:
@@ -586,7 +576,7 @@ def decode_sweep(run: Run, copy_bw: float, tilings, configs=None,
     for name, (fn, nbytes) in decode_variants(b, s, pools, tilings,
                                               run.smoke).items():
       if chain > 1:
-        fn = chained(fn, chain)
+        fn = bench_serving.chained(fn, chain)
       t = run.guard(f"{name} B={b} S={s}", seconds, fn,
                     *[(q, pools) for q in qs])
       if t is not None:
