@@ -74,7 +74,8 @@ def time_case(shape, variants, key, cfg):
 
 
 def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
-  """``"bkv=64,stages=3,regs=240/24,sched=0,expturn=1,overlap=1,rs=0,qk=1"``
+  """``"bkv=64,stages=3,regs=240/24,sched=0,expturn=1,overlap=1,rs=0,qk=1,
+  nc=3"``
   → (MosaicTiling, sage2-8b config); the config fields ``warps=N``
   (``num_warps``: 8 gives the 16-row Q groups ``qk=1`` needs) and
   ``fp32acc`` (``pv_accumulation="fp32"``) may be among them."""
@@ -102,6 +103,8 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
       kw["register_softmax"] = bool(int(value))
     elif name == "heavy":  # causal: last query tiles first (1) or not
       kw["heavy_first"] = bool(int(value))
+    elif name == "nc":  # consumer warpgroups per CTA
+      kw["num_consumers"] = int(value)
     elif name == "qk":  # Q quantized in the kernel (1) or by a pass (0)
       kw["quantize_q"] = bool(int(value))
     else:

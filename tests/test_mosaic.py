@@ -106,6 +106,12 @@ def test_tiling_validation():
     MosaicTiling(consumer_registers=230)
   with pytest.raises(ValueError, match="register file"):  # would hang
     MosaicTiling(consumer_registers=240)
+  with pytest.raises(ValueError, match="num_consumers"):
+    MosaicTiling(num_consumers=4)
+  with pytest.raises(ValueError, match=r"3 \* consumer_registers.*to 160"):
+    MosaicTiling(num_consumers=3, producer_registers=32)  # 232 each: hangs
+  assert MosaicTiling(num_consumers=3, consumer_registers=160,
+                      producer_registers=32).block_rows == 192
 
 
 LOWER_CASES = [
@@ -169,7 +175,8 @@ def test_q_is_quantized_in_the_kernel_where_its_groups_allow(config, dtype,
     assert ("sage_quantize_q" in text) != expect
 
 
-@pytest.mark.parametrize("tiling", ["overlap_qk", "generic_softmax"])
+@pytest.mark.parametrize("tiling", ["overlap_qk", "generic_softmax",
+                                    "three_consumers"])
 def test_pipelining_variants_lower_for_cuda(tiling):
   """The non-default consumer pipelines lower for CUDA on the CPU too
   (their arithmetic is checked on the GPU against "xla")."""
@@ -303,7 +310,21 @@ KERNEL_TILINGS = {
     "overlap_qk_generic_softmax": MosaicTiling(
         overlap_qk=True, register_softmax=False, consumer_registers=240,
         producer_registers=24),
+    "three_consumers": MosaicTiling(num_consumers=3, consumer_registers=160,
+                                    producer_registers=32),
+    "three_consumers_bkv64_unscheduled": MosaicTiling(
+        num_consumers=3, consumer_registers=160, producer_registers=32,
+        block_kv=64, num_stages=4, schedule_barrier=False),
+    "three_consumers_bkv64_one_level": MosaicTiling(
+        num_consumers=3, consumer_registers=160, producer_registers=32,
+        block_kv=64, num_stages=4),
 }
+# Tilings run with each block's P·V accumulated straight into the output
+# (``pv_two_level=False``, config ``pv_accumulation="fp32"``), and their
+# bound: the FP8 wgmma adds into its FP32 accumulator with fewer mantissa
+# bits (measured on an H100 at these shapes: rel_l2 5.1e-3 to the "xla"
+# FP32 arithmetic, where every two-level tiling passed 5e-3).
+ONE_LEVEL_PV = {"three_consumers_bkv64_one_level": 1e-2}
 
 
 @gpu
@@ -315,7 +336,7 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
   compiled kernel == the "xla" arithmetic on them, for every pipelining
   of the consumers (causal; or a window with lengths a few tokens short)."""
   config = PRESETS["sage2-8b"]
-  b, t, s, n, kh, h = 2, 512, 768, 4, 2, 128
+  b, t, s, n, kh, h = 2, 768, 768, 4, 2, 128  # T: 6 CTAs of 2 or 4 of 3
   q, k, v = _data(b, t, s, n, kh, h, kind="channel_bias", layout="BNTH",
                   dtype=jnp.float32)
   qkv = quant.quantize(q, k, v, config, h ** -0.5)
@@ -334,6 +355,7 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
   got, got_lse = jax.jit(lambda *a: mosaic_attention.attention_forward(
       *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
       out_dtype=jnp.float32, k_scale_grouped=mosaic.k_scale_grouped(config),
+      pv_two_level=tiling not in ONE_LEVEL_PV,
       tiling=KERNEL_TILINGS[tiling]))(
           qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, v_t, qkv.v_scale, None,
           None)
@@ -342,7 +364,8 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
                                                          want, 0)
   got_lse = np.where(rows, got_lse, -np.inf)
   want_lse = np.where(rows, want_lse, -np.inf)
-  assert testing.error_metrics(got, want)["rel_l2"] < 5e-3
+  bound = ONE_LEVEL_PV.get(tiling, 5e-3)
+  assert testing.error_metrics(got, want)["rel_l2"] < bound
   np.testing.assert_allclose(got_lse, want_lse, atol=1e-2)
 
 

@@ -26,6 +26,7 @@ backward) take the ``"pallas"`` backward kernels.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax
@@ -143,7 +144,7 @@ class _MosaicBackend:
     fp8 = config.pv_dtype == "fp8_e4m3"
     prepared = quantize_inputs(
         call, config, head_dim=hp,
-        t_multiple=max(config.block_q, 2 * tiling.block_q),
+        t_multiple=math.lcm(config.block_q, tiling.block_rows),
         s_multiple=max(config.block_k, tiling.block_kv),
         v_transposed=fp8, v_wgmma_key_order=fp8,
         quantize_q=(not tiling.quantize_q

@@ -1,12 +1,14 @@
 """Pallas Mosaic GPU kernel: the SageAttention forward on Hopper (sm90).
 
 FlashAttention-3 structure with 8-bit tensor cores. A CTA owns
-``2 * block_q`` query rows of one head and runs three warpgroups:
+``num_consumers * block_q`` query rows of one head and runs a warpgroup per
+``block_q`` rows and one more:
 
 * a producer (few registers) streams each KV step's K tile ``[block_kv, H]``
   (INT8), its per-key scales and the V tile into a ``num_stages``-deep shared
   memory ring with TMA, waiting on "consumed" barriers before reusing a slot;
-* two consumers, ``block_q`` rows each, compute
+* the consumers (two, or three with ``MosaicTiling.num_consumers``),
+  ``block_q`` rows each, compute
 
     s  = (q_int8 · k_int8ᵀ)_int32 · k_scale[key] (+ ΔS / q_scale)   (wgmma s8)
     m' = max(m, q_scale · rowmax s);  p̃ = exp2(q_scale · s − m' + log2 448)
@@ -14,7 +16,10 @@ FlashAttention-3 structure with 8-bit tensor cores. A CTA owns
     acc = acc · 2^(m − m') + fp8(p̃) · v_fp8                         (wgmma e4m3)
 
   taking turns on the tensor cores (a shared "schedule" barrier): while one
-  warpgroup runs its softmax the other's two products run.
+  warpgroup runs its softmax the other's two products run. Three consumers
+  give each SM sub-partition three dependent softmax chains to interleave
+  (benchmarks/NOTES.md, Mosaic section 9); they fit the register file with
+  160 registers each.
 
 P̃ never leaves registers: the FP8 values of the FP32 accumulator layout are
 re-labelled as the 8-bit A-operand layout of the second ``wgmma``
@@ -67,11 +72,14 @@ class MosaicTiling:
   """Tuning of the Mosaic attention kernel (not part of the math).
 
   Attributes:
-    block_q: query rows per consumer warpgroup (a CTA owns two blocks).
+    block_q: query rows per consumer warpgroup (a CTA owns
+      ``num_consumers`` blocks).
     block_kv: keys per pipeline step, a multiple of 64.
     num_stages: depth of the K/V shared-memory ring.
     consumer_registers: per-thread registers of the consumer warpgroups
       (``setmaxnreg``); the producer keeps ``producer_registers``.
+    num_consumers: consumer warpgroups per CTA, 2 or 3. Three need
+      ``consumer_registers <= 160`` (e.g. 160 with a 32-register producer).
     schedule_barrier: consumers take turns on the tensor cores.
     schedule_exp: the consumers meet (with ``schedule_barrier``) before and
       after each softmax's exponentials instead of around the products:
@@ -106,6 +114,7 @@ class MosaicTiling:
   register_softmax: bool = True
   quantize_q: bool = False
   heavy_first: bool = True
+  num_consumers: int = 2
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -117,23 +126,33 @@ class MosaicTiling:
     if not 2 <= self.num_stages <= 6:
       raise ValueError(f"MosaicTiling.num_stages must be in 2..6, got "
                        f"{self.num_stages}.")
+    if self.num_consumers not in (2, 3):
+      raise ValueError("MosaicTiling.num_consumers must be 2 or 3, got "
+                       f"{self.num_consumers}.")
     check_registers("MosaicTiling", self.consumer_registers,
-                    self.producer_registers)
+                    self.producer_registers, self.num_consumers)
+
+  @property
+  def block_rows(self) -> int:
+    """Query rows per CTA."""
+    return self.num_consumers * self.block_q
 
 
-def check_registers(owner: str, consumer: int, producer: int) -> None:
-  """Raises unless two consumer warpgroups of ``consumer`` registers per
+def check_registers(owner: str, consumer: int, producer: int,
+                    consumers: int = 2) -> None:
+  """Raises unless ``consumers`` warpgroups of ``consumer`` registers per
   thread and a producer of ``producer`` fit the register file."""
   regs = (consumer, producer)
   if any(r % 8 or not 24 <= r <= 256 for r in regs):
     raise ValueError(f"{owner} register counts must be multiples of 8 in "
                      f"24..256, got {regs}.")
-  # 65536 registers per SM, 128 threads per warpgroup: two consumers and the
+  # 65536 registers per SM, 128 threads per warpgroup: the consumers and the
   # producer must fit, or setmaxnreg waits forever.
-  if 2 * consumer + producer > 512:
+  if consumers * consumer + producer > 512:
     raise ValueError(
-        f"{owner}: 2 * consumer_registers + producer_registers must be <= "
-        f"512 (the register file), got {regs}; lower consumer_registers.")
+        f"{owner}: {consumers} * consumer_registers + producer_registers "
+        f"must be <= 512 (the register file), got {regs}; lower "
+        f"consumer_registers (to {(512 - producer) // consumers // 8 * 8}).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,7 +457,7 @@ def attention_forward(
   """Runs the Mosaic GPU forward on quantized inputs.
 
   Args:
-    q: int8 ``[B, N, T_pad, H]``; ``T_pad`` a multiple of ``2 * block_q``.
+    q: int8 ``[B, N, T_pad, H]``; ``T_pad`` a multiple of ``tiling.block_rows``.
       With ``quantize_q``: the 16-bit Q in ``q_layout`` (``[B, T_pad, N,
       H]`` for ``"BTNH"``), quantized by the kernel.
     q_scale: f32 ``[B, N, T_pad]`` (includes ``sm_scale·log2 e``); None with
@@ -483,9 +502,10 @@ def attention_forward(
   g = n // kh
   fp8 = v.dtype == quant.FP8_DTYPE
   bq, bkv, stages = tiling.block_q, tiling.block_kv, tiling.num_stages
-  if t_pad % (2 * bq) or s_pad % bkv:
+  nc, rows_cta = tiling.num_consumers, tiling.block_rows
+  if t_pad % rows_cta or s_pad % bkv:
     raise ValueError(f"padded lengths T={t_pad}, S={s_pad} must be multiples "
-                     f"of {2 * bq} and {bkv}.")
+                     f"of {rows_cta} and {bkv}.")
   if quantize_q is None:
     if q.dtype != jnp.int8 or q_layout != "BNTH" or q_scale is None:
       raise ValueError("Without quantize_q, q must be int8 [B, N, T_pad, H] "
@@ -501,11 +521,11 @@ def attention_forward(
                      "quantize_q (else the caller adds quant.lse_shift).")
   if k.dtype != jnp.int8:
     raise ValueError("k must be int8 (INT4 is unpacked to int8 first).")
-  if delta_s is not None and config_block_q % (2 * bq):
+  if delta_s is not None and config_block_q % rows_cta:
     raise ValueError(f"config block_q={config_block_q} must be a multiple of "
-                     f"{2 * bq} when Q is smoothed.")
+                     f"{rows_cta} when Q is smoothed.")
   num_kv_blocks = s_pad // bkv
-  ds_rows = None if delta_s is None else config_block_q // (2 * bq)
+  ds_rows = None if delta_s is None else config_block_q // rows_cta
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   pv_dtype = v.dtype
@@ -523,14 +543,14 @@ def attention_forward(
     head = lax.axis_index("heads")
     qt = lax.axis_index("q_tiles")
     if spec.is_causal and tiling.heavy_first:
-      qt = t_pad // (2 * bq) - 1 - qt
+      qt = t_pad // rows_cta - 1 - qt
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
     kv_head = lax.div(head, jnp.int32(g))
     q_len = ql_ref[batch]
     kv_len = kl_ref[batch]
-    cta_first = qt * (2 * bq)
-    cta_last = jnp.minimum(cta_first + 2 * bq, q_len) - 1
+    cta_first = qt * rows_cta
+    cta_last = jnp.minimum(cta_first + rows_cta, q_len) - 1
     blo, fblo, fbhi, bhi = kv_block_range(spec, cta_first, cta_last, q_len,
                                           kv_len, bkv, num_kv_blocks)
 
@@ -540,11 +560,18 @@ def attention_forward(
                 else "exp" if tiling.schedule_exp else "products")
 
     def meet(where: Optional[str] = None):
-      """Both consumers meet here (any ``where``, when they take turns), or
+      """All consumers meet here (any ``where``, when they take turns), or
       only when they take turns ``where``."""
       if turns_at is not None and where in (None, turns_at):
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
+
+    def stagger():
+      """Consumer ``c`` starts ``c`` meetings behind consumer 0, so that
+      their turns alternate (with two: one softmax beside the other's
+      products)."""
+      for c in range(1, nc):
+        pl.when(wg >= c)(meet)
 
     def quantize_rows(row0):
       """This consumer's Q rows quantized into ``q_smem`` (see
@@ -576,7 +603,7 @@ def attention_forward(
         shift_smem.at[wg][...] = shift * qq.shift_mult
       plgpu.commit_smem()  # the stores, before the wgmma reads them
 
-    @pl.when(wg < 2)
+    @pl.when(wg < nc)
     def _consumer():
       plgpu.set_max_registers(tiling.consumer_registers, action="increase")
       row0 = cta_first + wg * bq
@@ -791,7 +818,7 @@ def attention_forward(
         return lax.fori_loop(fbhi, bhi, masked, carry)
 
       if tiling.overlap_qk:
-        pl.when(wg == 1)(meet)  # consumer 0 goes first
+        stagger()
 
         def overlapped(s_ref, pv_ref):
           @pl.when(bhi > blo)
@@ -810,9 +837,10 @@ def attention_forward(
         def _():
           plgpu.barrier_wait(k_bar.at[0])
 
-        pl.when(wg == 1)(meet)  # consumer 0 goes first
+        stagger()
         acc, m, l = run_steps(step, (acc, m, l))
-      pl.when(wg == 0)(meet)  # answers consumer 1's last arrival
+      for c in range(nc - 1):  # answer the later consumers' last arrivals
+        pl.when(wg <= c)(meet)
 
       rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
                                            layout=row_layout)
@@ -838,7 +866,7 @@ def attention_forward(
                               lse_ref.at[batch, head, pl.ds(row0, bq)])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
+    @pl.when(wg == nc)
     def _producer():
       plgpu.set_max_registers(tiling.producer_registers, action="decrease")
 
@@ -886,20 +914,20 @@ def attention_forward(
     ds_ref = refs.get("ds")
     v_tile = (stages, h, bkv) if fp8 else (stages, bkv, h)
     smem = (
-        wgmma_smem((2, bq, h), jnp.int8),
-        plgpu.SMEM((2, bq), jnp.float32),
+        wgmma_smem((nc, bq, h), jnp.int8),
+        plgpu.SMEM((nc, bq), jnp.float32),
         wgmma_smem((stages, bkv, h), jnp.int8),
         plgpu.SMEM((stages, bkv), jnp.float32),
         wgmma_smem(v_tile, pv_dtype),
         None if ds_ref is None else plgpu.SMEM((stages, bkv), jnp.float32),
-        wgmma_smem((2, bq, h), out_dtype),
-        plgpu.SMEM((2, bq), jnp.float32),
-        plgpu.SMEM((2, h), jnp.float32),
-        None if "vm" not in refs else plgpu.SMEM((2, h), jnp.float32),
+        wgmma_smem((nc, bq, h), out_dtype),
+        plgpu.SMEM((nc, bq), jnp.float32),
+        plgpu.SMEM((nc, h), jnp.float32),
+        None if "vm" not in refs else plgpu.SMEM((nc, h), jnp.float32),
         None if "vks" not in refs else plgpu.SMEM((stages, bkv), jnp.float32),
-        None if quantize_q is None else wgmma_smem((2, bq, h), q.dtype),
-        None if "km" not in refs else plgpu.SMEM((2, h), jnp.float32),
-        None if "km" not in refs else plgpu.SMEM((2, bq), jnp.float32),
+        None if quantize_q is None else wgmma_smem((nc, bq, h), q.dtype),
+        None if "km" not in refs else plgpu.SMEM((nc, h), jnp.float32),
+        None if "km" not in refs else plgpu.SMEM((nc, bq), jnp.float32),
     )
     # Q (and its scales, or K's mean), V's scales and mean.
     q_arrivals = 2 + sum(name in refs for name in ("qs", "km", "vm"))
@@ -907,11 +935,11 @@ def attention_forward(
     pl.run_scoped(
         lambda *scratch: kernel(refs, out_ref, lse_ref, scratch),
         smem,
-        (plgpu.Barrier(num_arrivals=q_arrivals, num_barriers=2),
+        (plgpu.Barrier(num_arrivals=q_arrivals, num_barriers=nc),
          plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=stages),
          plgpu.Barrier(num_barriers=stages)),
-        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
-        plgpu.Barrier(num_arrivals=2),
+        (plgpu.Barrier(num_arrivals=nc, num_barriers=stages),) * 2,
+        plgpu.Barrier(num_arrivals=nc),
         collective_axes="wg",
     )
 
@@ -923,9 +951,9 @@ def attention_forward(
       entry,
       out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),
                 jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
-      grid=(n, t_pad // (2 * bq), b),
+      grid=(n, t_pad // rows_cta, b),
       grid_names=("heads", "q_tiles", "batch"),
-      num_threads=3,
+      num_threads=nc + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           approx_math=True, **_profile_params(profile_dir, num_kv_blocks)),
