@@ -400,8 +400,10 @@ def _cache(pools, quantized, ps):
   return serving.PagedKVCache(view(pools["bf16"][0]), view(pools["bf16"][1]))
 
 
-def decode_variants(b, s, pools, tilings, smoke):
-  """name -> (function of (q, pools), bytes read per call)."""
+def decode_variants(b, s, pools, tilings, smoke, extra=()):
+  """name -> (function of (q, pools), bytes read per call); ``extra``:
+  (page size, DecodeTiling spec) pairs, timed as ``"tiling p{ps} {spec}"``
+  (INT8/FP8 pages)."""
   lengths = jnp.full((b,), s, jnp.int32)
   pages16 = b * s // 16
   tables = {ps: jnp.asarray(np.random.RandomState(ps).permutation(
@@ -423,6 +425,15 @@ def decode_variants(b, s, pools, tilings, smoke):
     if not smoke:
       kind = "int8/fp8" if quantized else "bf16"
       out[f"sage mosaic {kind} p{ps}"] = (fm, b * s * K * per_token + q_bytes)
+  for ps, spec in extra:
+    table = jnp.asarray(np.random.RandomState(ps).permutation(
+        pages16 * 16 // ps).reshape(b, s // ps).astype(np.int32))
+    tiling = parse_decode_tiling(spec)
+    def fx(q, pools, ps=ps, tiling=tiling, table=table):
+      return serving.decode_attention(q, _cache(pools, True, ps), table,
+                                      lengths, implementation="mosaic",
+                                      tiling=tiling)
+    out[f"tiling p{ps} {spec}"] = (fx, b * s * K * (2 * H + 8) + q_bytes)
   for quantized, ps in ((True, 16), (True, 64), (False, 16)):
     if True:
       kind = "int8/fp8" if quantized else "bf16"
@@ -459,6 +470,18 @@ def decode_variants(b, s, pools, tilings, smoke):
         q[:, None], k, v, implementation="xla" if smoke else "cudnn")[:, 0]
   out["cudnn dense bf16"] = (cudnn, b * s * K * 4 * H)
   return out
+
+
+def parse_decode_tiling(spec: str):
+  """``"c=4,stages=8,splits=2,ctas=132,merge=0"`` → DecodeTiling."""
+  from sagejax.kernels.mosaic_decode import DecodeTiling
+  names = dict(c="num_consumers", stages="num_stages", splits="num_splits",
+               ctas="num_ctas", merge="merge_splits")
+  kw = {}
+  for item in filter(None, spec.split(",")):
+    key, _, value = item.partition("=")
+    kw[names[key]] = bool(int(value)) if key == "merge" else int(value)
+  return DecodeTiling(**kw)
 
 
 def decode_tiling_sweep(run: Run):
@@ -551,7 +574,7 @@ def mosaic_tiling_sweep(run: Run):
 
 
 def decode_sweep(run: Run, copy_bw: float, tilings, configs=None,
-                 chain: int = 1):
+                 chain: int = 1, extra=()):
   if configs:
     pass
   elif run.smoke:
@@ -574,7 +597,7 @@ def decode_sweep(run: Run, copy_bw: float, tilings, configs=None,
     row = dict(batch=b, tokens=s, bf16_bytes=b * s * K * 4 * H, us={},
                tb_s={})
     for name, (fn, nbytes) in decode_variants(b, s, pools, tilings,
-                                              run.smoke).items():
+                                              run.smoke, extra).items():
       if chain > 1:
         fn = bench_serving.chained(fn, chain)
       t = run.guard(f"{name} B={b} S={s}", seconds, fn,
@@ -748,6 +771,12 @@ def report(run: Run):
           f" | {fmt(r.get('int8_vs_cudnn'))} | {fmt(r.get('int8_vs_jax_bf16'))}"
           f" | {fmt(r.get('int8_copy_fraction'), True)} | "
           f"{fmt(r.get('bf16_vs_cudnn'))} |")
+  for r in d.get("decode", []):
+    cudnn = r["us"].get("cudnn dense bf16")
+    for name, us in r["us"].items():
+      if name.startswith("tiling ") and cudnn:
+        print(f"  {r['batch']} x {r['tokens'] // 1024}k {name}: {us:.1f} us, "
+              f"{cudnn / us:.2f}x cuDNN")
   print("\nMosaic decode, best page size per row: x cuDNN (>=1.7), x JAX "
         "paged bf16 (>=3), % of copy bandwidth (>=75); bf16 pages x cuDNN "
         "(>=0.9):")
@@ -801,6 +830,11 @@ def main():
                       help="with --decode-only: time this many dependent "
                       "decode calls in one program, per call (the host's "
                       "dispatch of a single call bounds small shapes)")
+  parser.add_argument("--mosaic-tilings", default="",
+                      help="with --decode-only: ';'-separated PAGE:SPEC Mosaic "
+                      "decode tilings timed beside the defaults, e.g. "
+                      "'128:c=4;128:splits=4;64:stages=8' (SPEC: see "
+                      "parse_decode_tiling)")
   parser.add_argument("--cache-error", action="store_true",
                       help="only the cache quantization error table (CPU)")
   args = parser.parse_args()
@@ -828,8 +862,10 @@ def main():
       configs = [tuple(int(x) for x in c.split("x"))
                  for c in args.configs.split(",")]
     run.data["chain"] = args.chain
+    extra = [(int(ps), spec) for ps, _, spec in
+             (x.partition(":") for x in args.mosaic_tilings.split(";") if x)]
     run.guard("decode", decode_sweep, run, copy_bw, tilings, configs,
-              args.chain)
+              args.chain, extra)
     run.save()
     report(run)
     return
