@@ -636,7 +636,7 @@ def attention_forward(
 
       def issue_qk(s_ref, slot):
         plgpu.wgmma(s_ref, q_smem.at[wg],
-                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    k_smem.at[slot].transpose((1, 0)))
         meet("products")
 
       grouped = k_scale_grouped and tiling.register_softmax and ds_ref is None
@@ -710,7 +710,7 @@ def attention_forward(
 
       def v_tile(slot):
         if fp8:
-          return plgpu.transpose_ref(v_smem.at[slot], (1, 0))
+          return v_smem.at[slot].transpose((1, 0))
         return v_smem.at[slot]
 
       def wait_for_v(slot):

@@ -257,8 +257,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
         plgpu.barrier_wait(in_bar.at[slot])
 
         s_t, dp_t = _two_products(  # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
-            (k_own, plgpu.transpose_ref(q_smem.at[slot], (1, 0))),
-            (v_own, plgpu.transpose_ref(do_smem.at[slot], (1, 0))),
+            (k_own, q_smem.at[slot].transpose((1, 0))),
+            (v_own, do_smem.at[slot].transpose((1, 0))),
             bq)
         lse = lax.broadcast_in_dim(load_all(lse_smem.at[slot], col_layout),
                                    (ROWS, bq), [1])
@@ -282,11 +282,11 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
             plgpu.barrier_wait(ds_bar.at[buf])
             if split_cols:  # dQ[:, half] = dS · K[:, half]
               plgpu.wgmma(refs[2],
-                          plgpu.transpose_ref(ds_smem.at[buf], (1, 0)),
+                          ds_smem.at[buf].transpose((1, 0)),
                           k_smem.at[:, half])
             else:  # dQ[half] = dS[half] · K
-              plgpu.wgmma(refs[2], plgpu.transpose_ref(
-                  ds_smem.at[buf, :, half], (1, 0)), k_smem)
+              plgpu.wgmma(refs[2],
+                          ds_smem.at[buf, :, half].transpose((1, 0)), k_smem)
 
         accs = (plgpu.ACC.init(dv), plgpu.ACC.init(dk))
         if fused:
@@ -460,8 +460,8 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
         plgpu.barrier_wait(in_bar.at[slot])
 
         s, dp = _two_products(  # S = Q·Kᵀ, dP = dO·Vᵀ
-            (q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0))),
-            (do_smem.at[wg], plgpu.transpose_ref(v_smem.at[slot], (1, 0))),
+            (q_smem.at[wg], k_smem.at[slot].transpose((1, 0))),
+            (do_smem.at[wg], v_smem.at[slot].transpose((1, 0))),
             bkv)
         p = jnp.exp2(s * c - rows_of(lse))
         if masked:

@@ -756,7 +756,7 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
 
           def qk(s_ref):
             plgpu.wgmma(s_ref, k_smem.at[slot],
-                        plgpu.transpose_ref(q_tile, (1, 0)))
+                        q_tile.transpose((1, 0)))
             return s_ref[...]
 
           s = pl.run_scoped(qk, plgpu.ACC((sk, nq), acc_dtype))
@@ -823,8 +823,8 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
             for page in range(pps):
               v_tile = v_smem.at[slot, page]   # 8-bit: Vᵀ; 16-bit: V
               plgpu.wgmma(pv_ref, v_tile if quantized
-                          else plgpu.transpose_ref(v_tile, (1, 0)),
-                          plgpu.transpose_ref(p_smem.at[wg, page], (1, 0)))
+                          else v_tile.transpose((1, 0)),
+                          p_smem.at[wg, page].transpose((1, 0)))
 
           block = pl.run_state(pv)(plgpu.ACC.init(
               plgpu.layout_cast(jnp.zeros((h, nq), jnp.float32),
