@@ -390,6 +390,14 @@ def _stage_query(x_ref, q_ref, qs_ref, scale_mult: float) -> None:
   stage(x_ref, q_ref, *(() if qs_ref is None else (qs_ref,)))
 
 
+def _index(base, offset: int):
+  """``base + offset`` (an i32 value, lowering-time) as an MLIR index."""
+  _, _, ir, arith, _ = _mgpu()
+  i32 = ir.IntegerType.get_signless(32)
+  return arith.index_cast(ir.IndexType.get(),
+                          arith.addi(base, arith.constant(i32, offset)))
+
+
 def _store_rows(x: jax.Array, ref) -> None:
   """``ref[g, h] = x[h, g]`` for ``x [H, NQ]`` (WGMMA layout) and an
   unswizzled ``ref [NQ, H]`` of its dtype: one store per element."""
@@ -397,17 +405,13 @@ def _store_rows(x: jax.Array, ref) -> None:
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
   def store(_, x, smem):
-    _, _, ir, arith, _ = _mgpu()
     from jax._src.lib.mlir.dialects import memref  # lowering-time only
-    index = ir.IndexType.get()
-    i32 = ir.IntegerType.get_signless(32)
-    c = lambda v: arith.constant(i32, v)  # noqa: E731
     row, col = _thread_coords()
     regs = x.registers.reshape(h // 64, nq // 8, 2)
     for tile, n8, half in np.ndindex(regs.shape):
-      hh = arith.index_cast(index, arith.addi(row, c(64 * tile + 8 * half)))
+      hh = _index(row, 64 * tile + 8 * half)
       for e in range(2):
-        g = arith.index_cast(index, arith.addi(col, c(8 * n8 + e)))
+        g = _index(col, 8 * n8 + e)
         memref.store(_element(regs[tile, n8, half], e), smem, [g, hh])
 
   store(x, ref)
@@ -424,20 +428,17 @@ def _load_rows(ref, h: int) -> jax.Array:
       return_type=plgpu.ShapeDtypeStruct((h, nq), jnp.float32,
                                          layout=layout))
   def load(_, smem):
-    mgpu, fa, ir, arith, _ = _mgpu()
+    mgpu, fa, _, _, _ = _mgpu()
     from jax._src.lib.mlir.dialects import memref  # lowering-time only
-    index = ir.IndexType.get()
-    i32 = ir.IntegerType.get_signless(32)
-    c = lambda v: arith.constant(i32, v)  # noqa: E731
     row, col = _thread_coords()
     shape = fa.WGMMA_LAYOUT.registers_shape((h, nq))
     regs = np.empty(shape, dtype=object)
     flat = regs.reshape(h // 64, nq // 8, 2)
     for tile, n8, half in np.ndindex(flat.shape):
-      hh = arith.index_cast(index, arith.addi(row, c(64 * tile + 8 * half)))
+      hh = _index(row, 64 * tile + 8 * half)
       flat[tile, n8, half] = _vector([
-          memref.load(smem, [arith.index_cast(
-              index, arith.addi(col, c(8 * n8 + e))), hh]) for e in range(2)])
+          memref.load(smem, [_index(col, 8 * n8 + e), hh])
+          for e in range(2)])
     return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT,
                                 _is_signed=None)
 
@@ -448,21 +449,15 @@ def _store_columns(x: jax.Array, ref) -> None:
   """``ref[g] = x[g]`` for an f32 ``[NQ]`` column-layout vector (one
   value per ``wgmma`` column, held by every row's thread) and an unswizzled
   ``ref [NQ]`` (shared or global memory)."""
-  nq = x.shape[0]
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(0),
                                 plgpu.RefType()))
   def store(_, x, ref):
-    _, _, ir, arith, _ = _mgpu()
     from jax._src.lib.mlir.dialects import memref  # lowering-time only
-    index = ir.IndexType.get()
-    i32 = ir.IntegerType.get_signless(32)
-    c = lambda v: arith.constant(i32, v)  # noqa: E731
     _, col = _thread_coords()
     for n8, v in enumerate(x.registers.reshape(-1)):
       for e in range(2):
-        memref.store(_element(v, e), ref, [arith.index_cast(
-            index, arith.addi(col, c(8 * n8 + e)))])
+        memref.store(_element(v, e), ref, [_index(col, 8 * n8 + e)])
 
   store(x, ref)
 
@@ -476,17 +471,14 @@ def _load_columns(ref) -> jax.Array:
       arg_types=(plgpu.RefType(),),
       return_type=plgpu.ShapeDtypeStruct((nq,), jnp.float32, layout=layout))
   def load(_, ref):
-    mgpu, fa, ir, arith, _ = _mgpu()
+    mgpu, fa, _, _, _ = _mgpu()
     from jax._src.lib.mlir.dialects import memref  # lowering-time only
-    index = ir.IndexType.get()
-    i32 = ir.IntegerType.get_signless(32)
-    c = lambda v: arith.constant(i32, v)  # noqa: E731
     _, col = _thread_coords()
     col_layout = fa.WGMMA_LAYOUT.reduce((0,))
     regs = np.empty(col_layout.registers_shape((nq,)), dtype=object)
     for n8 in range(nq // 8):
-      regs.reshape(-1)[n8] = _vector([memref.load(ref, [arith.index_cast(
-          index, arith.addi(col, c(8 * n8 + e)))]) for e in range(2)])
+      regs.reshape(-1)[n8] = _vector(
+          [memref.load(ref, [_index(col, 8 * n8 + e)]) for e in range(2)])
     return mgpu.FragmentedArray(_registers=regs, _layout=col_layout,
                                 _is_signed=None)
 
