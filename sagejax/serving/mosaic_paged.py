@@ -65,10 +65,11 @@ MOSAIC_EXTEND_CONFIG = SageConfig(qk_granularity="per_token",
                                   pv_dtype="fp8_e4m3")
 """The default of the Mosaic extend and decode (``config=None``): INT8 Q·Kᵀ
 (Q per row, K per token) and FP8 P̃ on FP8 ``wgmma``, SageAttention2's P·V
-as in the dense ``sage2-8b`` default (the decode kernel takes no other). Measured on an H100 (4k chunk, 8k-32k cached
-tokens): 1.15-1.24x cuDNN, FP16 P̃ 0.96-1.05x; relative L2 error vs exact
-0.037 instead of 0.027 on N(0, 1) data, 0.0030 instead of 0.0020 on Q/K/V
-channel-bias data (benchmarks/NOTES.md)."""
+as in the dense ``sage2-8b`` default (the decode kernel takes no other).
+Measured on an H100 (4k chunk, 8k-32k cached tokens): 1.15-1.24x cuDNN,
+FP16 P̃ 0.96-1.05x; relative L2 error vs exact 0.037 instead of 0.027 on
+N(0, 1) data, 0.0030 instead of 0.0020 on Q/K/V channel-bias data
+(benchmarks/NOTES.md)."""
 
 
 def default_tiling(head_dim: int, pv_dtype: str = MOSAIC_EXTEND_CONFIG.pv_dtype
@@ -78,15 +79,24 @@ def default_tiling(head_dim: int, pv_dtype: str = MOSAIC_EXTEND_CONFIG.pv_dtype
       head_dim, MOSAIC_EXTEND_CONFIG.replace(pv_dtype=pv_dtype))
 
 
+def _unsupported_by_both(cache: PagedKVCache, math: PagedMath
+                         ) -> Optional[str]:
+  """What neither Mosaic kernel (extend, decode) serves, or None."""
+  if math.soft_cap is not None:
+    return "logit soft-cap is applied by the Triton kernel only"
+  if cache.head_dim not in HEAD_DIMS:
+    return f"head dim {cache.head_dim} is not one of {HEAD_DIMS}"
+  return None
+
+
 def unsupported(cache: PagedKVCache, math: PagedMath) -> Optional[str]:
   """Why the Mosaic extend cannot serve a call, or None."""
   if not cache.quantized:
     return ("a plain (16-bit) cache is attended by the Triton kernel; the "
             "Mosaic extend reads INT8 K / FP8 V pages")
-  if math.soft_cap is not None:
-    return "logit soft-cap is applied by the Triton kernel only"
-  if cache.head_dim not in HEAD_DIMS:
-    return f"head dim {cache.head_dim} is not one of {HEAD_DIMS}"
+  reason = _unsupported_by_both(cache, math)
+  if reason is not None:
+    return reason
   if math.pv_dtype not in ("fp8_e4m3", "fp16"):
     return f"pv_dtype {math.pv_dtype!r} (the kernel runs fp8_e4m3 or fp16)"
   return None
@@ -221,10 +231,9 @@ def extend_attention(q: jax.Array, q_len: jax.Array, kv_len: jax.Array,
 def decode_unsupported(cache: PagedKVCache, math: PagedMath, groups: int
                        ) -> Optional[str]:
   """Why the Mosaic decode cannot serve a call, or None."""
-  if math.soft_cap is not None:
-    return "logit soft-cap is applied by the Triton kernel only"
-  if cache.head_dim not in HEAD_DIMS:
-    return f"head dim {cache.head_dim} is not one of {HEAD_DIMS}"
+  reason = _unsupported_by_both(cache, math)
+  if reason is not None:
+    return reason
   if cache.layout != "KPSH" or (cache.quantized and not cache.v_transposed):
     return ("the Mosaic decode reads the pages PagedKVCache.create lays out "
             "(quantized: V transposed), not a contiguous cache's")
