@@ -411,29 +411,26 @@ def decode_variants(b, s, pools, tilings, smoke, extra=()):
             for ps in (16, 64)}
   q_bytes = b * N * H * 2
   out = {}
-  for quantized, ps in [(True, p) for p in MOSAIC_PAGES] + [(False, 64),
-                                                            (False, 128)]:
-    # The Mosaic decode (Hopper), its own tables.
+
+  def mosaic(quantized, ps, tiling):
+    """The Mosaic decode (Hopper) on its own table, and its bytes read."""
     table = jnp.asarray(np.random.RandomState(ps).permutation(
         pages16 * 16 // ps).reshape(b, s // ps).astype(np.int32))
-    tiling = tilings.get(("mosaic", ps)) if quantized else None
-    def fm(q, pools, ps=ps, tiling=tiling, table=table, quantized=quantized):
+    def fm(q, pools):
       return serving.decode_attention(q, _cache(pools, quantized, ps), table,
                                       lengths, implementation="mosaic",
                                       tiling=tiling)
     per_token = 2 * H + 8 if quantized else 4 * H
-    if not smoke:
+    return fm, b * s * K * per_token + q_bytes
+
+  if not smoke:
+    for quantized, ps in [(True, p) for p in MOSAIC_PAGES] + [(False, 64),
+                                                              (False, 128)]:
       kind = "int8/fp8" if quantized else "bf16"
-      out[f"sage mosaic {kind} p{ps}"] = (fm, b * s * K * per_token + q_bytes)
+      out[f"sage mosaic {kind} p{ps}"] = mosaic(
+          quantized, ps, tilings.get(("mosaic", ps)) if quantized else None)
   for ps, spec in extra:
-    table = jnp.asarray(np.random.RandomState(ps).permutation(
-        pages16 * 16 // ps).reshape(b, s // ps).astype(np.int32))
-    tiling = parse_decode_tiling(spec)
-    def fx(q, pools, ps=ps, tiling=tiling, table=table):
-      return serving.decode_attention(q, _cache(pools, True, ps), table,
-                                      lengths, implementation="mosaic",
-                                      tiling=tiling)
-    out[f"tiling p{ps} {spec}"] = (fx, b * s * K * (2 * H + 8) + q_bytes)
+    out[f"tiling p{ps} {spec}"] = mosaic(True, ps, parse_decode_tiling(spec))
   for quantized, ps in ((True, 16), (True, 64), (False, 16)):
     if True:
       kind = "int8/fp8" if quantized else "bf16"
@@ -575,14 +572,13 @@ def mosaic_tiling_sweep(run: Run):
 
 def decode_sweep(run: Run, copy_bw: float, tilings, configs=None,
                  chain: int = 1, extra=()):
-  if configs:
-    pass
-  elif run.smoke:
-    configs = [(2, 512)]
-  elif run.data["quick"]:
-    configs = [(32, 4096), (32, 16384), (8, 32768)]
-  else:
-    configs = [(b, s) for b in (8, 32, 64) for s in (4096, 16384, 32768)]
+  if not configs:
+    if run.smoke:
+      configs = [(2, 512)]
+    elif run.data["quick"]:
+      configs = [(32, 4096), (32, 16384), (8, 32768)]
+    else:
+      configs = [(b, s) for b in (8, 32, 64) for s in (4096, 16384, 32768)]
   rows = []
   for b, s in configs:
     if run.late():
