@@ -146,13 +146,18 @@ def check_registers(owner: str, consumer: int, producer: int,
   if any(r % 8 or not 24 <= r <= 256 for r in regs):
     raise ValueError(f"{owner} register counts must be multiples of 8 in "
                      f"24..256, got {regs}.")
-  # 65536 registers per SM, 128 threads per warpgroup: the consumers and the
-  # producer must fit, or setmaxnreg waits forever.
-  if consumers * consumer + producer > 512:
+  # The CTA is launched with 65536 registers over its warpgroups of 128
+  # threads, rounded down to a multiple of 8 per thread (168 each for three
+  # warpgroups: 504 in all); setmaxnreg only moves registers among them, so
+  # the consumers and the producer must fit that, or it waits forever.
+  warpgroups = consumers + 1
+  budget = 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
+  if consumers * consumer + producer > budget:
     raise ValueError(
         f"{owner}: {consumers} * consumer_registers + producer_registers "
-        f"must be <= 512 (the register file), got {regs}; lower "
-        f"consumer_registers (to {(512 - producer) // consumers // 8 * 8}).")
+        f"must be <= {budget} (the register file over {warpgroups} "
+        f"warpgroups), got {regs}; lower consumer_registers (to "
+        f"{(budget - producer) // consumers // 8 * 8}).")
 
 
 @dataclasses.dataclass(frozen=True)
