@@ -77,13 +77,16 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
   """``"bkv=64,stages=3,regs=240/24,sched=0,expturn=1,overlap=1,rs=0,qk=1,
   nc=3"``
   → (MosaicTiling, sage2-8b config); the config fields ``warps=N``
-  (``num_warps``: 8 gives the 16-row Q groups ``qk=1`` needs) and
-  ``fp32acc`` (``pv_accumulation="fp32"``) may be among them."""
+  (``num_warps``: 8 gives the 16-row Q groups ``qk=1`` needs),
+  ``fp32acc`` (``pv_accumulation="fp32"``) and ``pv=bf16`` (16-bit P·V,
+  as ``SageConfig.differentiated`` runs it) may be among them."""
   kw, config = {}, PRESETS["sage2-8b"]
   for item in filter(None, spec.split(",")):
     name, _, value = item.partition("=")
     if name == "fp32acc":
       config = config.replace(pv_accumulation="fp32")
+    elif name == "pv":  # "bf16"/"fp16": the training forward's P·V
+      config = config.replace(pv_dtype=value, pv_accumulation="fp32")
     elif name == "warps":
       config = config.replace(num_warps=int(value))
     elif name == "bkv":
