@@ -1049,10 +1049,10 @@ def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   last pages, a shared prefix), GQA g/2, channel-bias data, NaN in the
   stale slots past each sequence's last token; against the ``"xla"``
   reference (same FP8 P̃ and normalization blocks) and dense attention over
-  the cache's dequantized tokens. Splits merged in the kernel (several
-  splits on distinct CTAs) and by XLA (``merge_splits=False``, or more
-  splits than CTAs). A page id outside the pool, or a length out of range,
-  gives NaN for its sequence only."""
+  the cache's dequantized tokens. Splits merged in the kernel (a cluster of
+  CTAs per sequence, fewer clusters than sequences too) and by XLA
+  (``merge_splits=False``). A page id outside the pool, or a length out of
+  range, gives NaN for its sequence only."""
   from sagejax.kernels import mosaic_decode
   from sagejax.kernels.mosaic_decode import DecodeTiling
   tiling = dict(tiling)

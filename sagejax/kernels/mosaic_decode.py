@@ -36,12 +36,14 @@ The queries arrive as they are (``[B, N, H]``): the producer copies the
 group's rows into shared memory and each consumer quantizes them per row
 into its own INT8 tile (:func:`_stage_query`). At the end of an item
 consumer 0 merges the consumers' partials by their LSEs. With one split it
-writes the output; with several, a split after the first publishes its
-partial in global memory and signals a per-sequence semaphore, and the
-first split's CTA waits, merges and writes (``DecodeTiling.merge_splits``,
-when every CTA is resident and the splits are on distinct CTAs; otherwise
-the partials go out for the caller's merge). A sequence whose length is out
-of range or whose pages include an id outside the pool gives NaN.
+writes the output; with several (``DecodeTiling.merge_splits``, at most 8),
+a sequence's splits are the CTAs of one cluster, which the hardware runs
+together: a split after the first publishes its partial in global memory
+and arrives on a cluster barrier, and the first split's CTA waits, merges
+and writes (no state outside the call: nothing to zero before it, nothing
+shared between calls). Otherwise the partials go out for the caller's
+merge. A sequence whose length is out of range or whose pages include an id
+outside the pool gives NaN.
 
 16-bit pages (``k_scales`` None: bf16/fp16 K and V ``[page_size, H]``, pages
 of 64 or 128) take the same path with 16-bit products: Q in the pages'
@@ -77,6 +79,7 @@ from sagejax.masks import MaskSpec
 PAGE_SIZES = (32, 64, 128)
 HEAD_DIMS = (64, 128)
 MAX_GROUPS = 32  # query heads per KV head (the wgmma N, padded to 8)
+MAX_CLUSTER = 8  # CTAs in a cluster (the portable limit): splits merged
 _LOG2_P_SCALE = math.log2(quant.P_SCALE)
 _SMEM_BYTES = 227 << 10   # what one CTA may take on sm90
 
@@ -111,14 +114,11 @@ class DecodeTiling:
     consumer_registers, producer_registers: per-thread registers
       (``setmaxnreg``); None: what the register file leaves the consumers
       beside a producer of ``producer_registers``.
-    merge_splits: several splits of a sequence merged in the kernel (the
-      first split's CTA waits on a semaphore for the others' partials) when
-      the CTAs are all resident (at most one per SM) and the splits on
-      distinct CTAs; otherwise, or False, the caller merges them. The
-      semaphores (``pl.get_global``) belong to the compiled kernel and
-      return to zero after each call: two calls of it must not run at once
-      (XLA runs its compute kernels one after another on a stream; turn
-      this off where calls may overlap).
+    merge_splits: several splits of a sequence (at most 8) merged in the
+      kernel: they run as one CTA cluster and the first split's CTA waits on
+      a cluster barrier for the others' partials; with more splits, or
+      False, the caller merges them. ``num_ctas`` then counts whole
+      clusters' CTAs (at least one cluster).
   """
 
   num_consumers: int = 2
@@ -237,6 +237,23 @@ def _thread_coords(bits: int = 32):
   warp = arith.andi(arith.shrui(tid, c(5)), c(3))
   row = arith.addi(arith.muli(warp, c(16)), arith.shrui(lane, c(2)))
   return row, arith.muli(arith.andi(lane, c(3)), c(2))
+
+
+def _fence_cluster() -> None:
+  """``fence.acq_rel.cluster`` by every thread of the warpgroup, then a
+  warpgroup barrier: the threads' global stores before it are ordered, at
+  the cluster's scope, before an arrival any of them makes after it (and a
+  wait before it before their loads after it)."""
+
+  @plgpu.inline_mgpu()
+  def fence(_):
+    mgpu, _, ir, _, _ = _mgpu()
+    from jax._src.lib.mlir.dialects import llvm  # lowering-time only
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.acq_rel.cluster;",
+                    "", has_side_effects=True)
+    mgpu.utils.warpgroup_barrier()
+
+  fence()
 
 
 def _store_transposed(p: jax.Array, ref, page_size: int) -> None:
@@ -597,8 +614,8 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
 
   Returns:
     ``(out, None)`` when the kernel writes the final output (one split, or
-    several merged in it: ``tiling.merge_splits`` with all CTAs resident and
-    the splits on distinct CTAs): ``out [B, N, H]``, ``v_smooth`` added;
+    several merged in it: ``tiling.merge_splits`` and at most 8 splits, a
+    cluster's CTAs): ``out [B, N, H]``, ``v_smooth`` added;
     NaN for every head of a sequence whose length is outside ``[1,
     max_pages · page_size]`` or, without a window, whose used pages include
     an id outside the pool (with a window the caller checks: pages before
@@ -619,10 +636,13 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
   items = num_splits * kh * b
   ctas = min(items, tiling.num_ctas or sm_count())
   # The kernel writes the final output with one split, and with several
-  # when their CTAs are all resident and distinct: the first split's CTA
-  # waits for the others, which always run elsewhere or earlier.
-  final = num_splits == 1 or (tiling.merge_splits and ctas <= sm_count()
-                              and num_splits <= ctas)
+  # (at most a CTA cluster's 8) when it merges them: a sequence's splits are
+  # then the CTAs of one cluster, which the hardware runs together.
+  clustered = (num_splits > 1 and tiling.merge_splits
+               and num_splits <= MAX_CLUSTER)
+  final = num_splits == 1 or clustered
+  if clustered:   # whole clusters, each taking (sequence, KV head) pairs
+    ctas = max(1, min(b * kh, ctas // num_splits)) * num_splits
   check_pages = final and window is None
   out_dtype = jnp.dtype(out_dtype or q.dtype)
   sk = step_keys(ps)
@@ -672,27 +692,38 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
     vm_ref = refs.pop(0) if v_smooth is not None else None
     out_ref = refs.pop(0)
     lse_ref = None if final else refs.pop(0)
-    part_ref = part_lse_ref = sems = None
-    if final and num_splits > 1:
+    part_ref = part_lse_ref = None
+    if clustered:
       part_ref, part_lse_ref = refs.pop(0), refs.pop(0)
-      sems = pl.get_global(plgpu.SemaphoreType.REGULAR((b * kh,)))
     scratch = refs.pop(0)
     (qx_smem, q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, p_smem,
      o_smem, lse_smem, x_smem, out_smem, vm_smem, flag_smem) = scratch[0]
-    q_bar, q_free, full, free, part_bar, part_free, flag_bar = scratch[1:]
-    cta = lax.axis_index("cta")
+    (q_bar, q_free, full, free, part_bar, part_free, flag_bar,
+     split_bars) = scratch[1:]
     wg = lax.axis_index("wg")
-    n_items = lax.div(items - cta + ctas - 1, jnp.int32(ctas))
+    if clustered:   # cluster c takes pairs c, c + clusters, ...
+      clusters = ctas // num_splits
+      cta = lax.axis_index("cta")
+      n_items = lax.div(b * kh - cta + clusters - 1, jnp.int32(clusters))
+    else:
+      cta = lax.axis_index("cta")
+      n_items = lax.div(items - cta + ctas - 1, jnp.int32(ctas))
 
     def item(it):
       """Work item ``it`` of this CTA: (batch, KV head, split), the
       sequence's length (0 if out of range), whether it is out of range,
       its step range ``[s_lo, s_hi)`` and the unmasked part ``[flo,
       fhi)``."""
-      w = cta + it * ctas
-      batch = lax.div(w, jnp.int32(kh * num_splits))
-      head = lax.rem(lax.div(w, jnp.int32(num_splits)), jnp.int32(kh))
-      split = lax.rem(w, jnp.int32(num_splits))
+      if clustered:   # the split is the CTA's rank in its cluster
+        pair = cta + it * (ctas // num_splits)
+        batch = lax.div(pair, jnp.int32(kh))
+        head = lax.rem(pair, jnp.int32(kh))
+        split = lax.axis_index("split")
+      else:
+        w = cta + it * ctas
+        batch = lax.div(w, jnp.int32(kh * num_splits))
+        head = lax.rem(lax.div(w, jnp.int32(num_splits)), jnp.int32(kh))
+        split = lax.rem(w, jnp.int32(num_splits))
       length = kl_ref[batch]
       bad_length = (length < 1) | (length > max_pages * ps)
       length = jnp.where(bad_length, 0, length)
@@ -891,9 +922,10 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
       def finish_final(it, qslot, batch, head, split, bad_length, o, lse):
         """Consumer 0 merges the item's consumers' partials (the others
         hand theirs over in shared memory). One split: it writes ``out[batch,
-        head·G : (head + 1)·G]``. Several: splits after the first write their
-        partial to global memory and signal the sequence's semaphore; the
-        first split's CTA waits for them, merges and writes."""
+        head·G : (head + 1)·G]``. Several (a cluster's CTAs): splits after
+        the first write their partial to global memory and arrive on the
+        cluster's barrier; the first split's CTA waits for them, merges and
+        writes."""
         if cons > 1:
           @pl.when(wg > 0)
           def _hand_over():
@@ -942,24 +974,32 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
             return
           # A bad sequence's partials are NaN, so its merge is.
           out, lse_c = out + nan, lse_c + nan
-          sem = sems.at[batch * kh + head]
+          ready, merged_bar = split_bars
 
           @pl.when(split > 0)
           def _publish():
             _store_rows(out, part_ref.at[split, batch, head])
             _store_columns(lse_c, part_lse_ref.at[split, batch, head])
-            plgpu.commit_smem()   # every thread's stores, then the release
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+            _fence_cluster()   # every thread's stores, then the arrival
+            plgpu.barrier_arrive(ready)
 
           @pl.when(split == 0)
           def _gather():
-            plgpu.semaphore_wait(sem, num_splits - 1, memory_scope="gpu")
+            plgpu.barrier_arrive(ready)
+            plgpu.barrier_wait(ready)
+            _fence_cluster()
             os, lses = [out], [lse_c]
             for k in range(1, num_splits):
               os.append(_load_rows(part_ref.at[k, batch, head], h))
               lses.append(_load_columns(part_lse_ref.at[k, batch, head]))
             merged, _, seen_all = combine(os, lses)
             write(merged, seen_all)
+
+          # Every split waits for the merge of this item before its next
+          # one (no split arrives twice in a phase of `ready`), and no CTA
+          # leaves while another may still arrive on its barriers.
+          plgpu.barrier_arrive(merged_bar)
+          plgpu.barrier_wait(merged_bar)
 
       lax.fori_loop(0, n_items, run_item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
@@ -1050,11 +1090,14 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
         plgpu.Barrier(num_arrivals=max(1, cons - 1)),
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        # a cluster's splits: partials published, and merged
+        (plgpu.ClusterBarrier(collective_axes=("split",)),) * 2
+        if clustered else None,
         collective_axes="wg")
 
   if final:
     out_type = (jax.ShapeDtypeStruct((b, n, h), out_dtype),)
-    if num_splits > 1:   # the splits' partials, for the first to merge
+    if clustered:   # the splits' partials, for the first to merge
       out_type += (
           jax.ShapeDtypeStruct((num_splits, b, kh, nq, h), jnp.float32),
           jax.ShapeDtypeStruct((num_splits, b, kh, nq), jnp.float32))
@@ -1066,8 +1109,10 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
   outs = plgpu.kernel(
       entry,
       out_type=out_type,
-      grid=(ctas,),
+      grid=(ctas // num_splits,) if clustered else (ctas,),
       grid_names=("cta",),
+      cluster=(num_splits,) if clustered else (),
+      cluster_names=("split",) if clustered else (),
       num_threads=cons + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
