@@ -701,12 +701,11 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
     (q_bar, q_free, full, free, part_bar, part_free, flag_bar,
      split_bars) = scratch[1:]
     wg = lax.axis_index("wg")
+    cta = lax.axis_index("cta")   # clustered: the cluster's index
     if clustered:   # cluster c takes pairs c, c + clusters, ...
       clusters = ctas // num_splits
-      cta = lax.axis_index("cta")
       n_items = lax.div(b * kh - cta + clusters - 1, jnp.int32(clusters))
     else:
-      cta = lax.axis_index("cta")
       n_items = lax.div(items - cta + ctas - 1, jnp.int32(ctas))
 
     def item(it):
