@@ -138,6 +138,17 @@ class MosaicTiling:
     return self.num_consumers * self.block_q
 
 
+def register_budget(consumers: int) -> int:
+  """Registers per thread of a CTA's ``consumers`` warpgroups and its
+  producer together. The CTA is launched with 65536 registers over its
+  warpgroups of 128 threads, rounded down to a multiple of 8 per thread
+  (168 each for three warpgroups: 504 in all; 96 each for five);
+  ``setmaxnreg`` only moves registers among them, so asking for more waits
+  forever (224 + 224 + 64 hung on an H100, 4 × 112 + 40 on an H200)."""
+  warpgroups = consumers + 1
+  return 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
+
+
 def check_registers(owner: str, consumer: int, producer: int,
                     consumers: int = 2) -> None:
   """Raises unless ``consumers`` warpgroups of ``consumer`` registers per
@@ -146,12 +157,8 @@ def check_registers(owner: str, consumer: int, producer: int,
   if any(r % 8 or not 24 <= r <= 256 for r in regs):
     raise ValueError(f"{owner} register counts must be multiples of 8 in "
                      f"24..256, got {regs}.")
-  # The CTA is launched with 65536 registers over its warpgroups of 128
-  # threads, rounded down to a multiple of 8 per thread (168 each for three
-  # warpgroups: 504 in all); setmaxnreg only moves registers among them, so
-  # the consumers and the producer must fit that, or it waits forever.
   warpgroups = consumers + 1
-  budget = 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
+  budget = register_budget(consumers)
   if consumers * consumer + producer > budget:
     raise ValueError(
         f"{owner}: {consumers} * consumer_registers + producer_registers "

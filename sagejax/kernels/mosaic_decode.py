@@ -73,7 +73,8 @@ from sagejax import quant
 from sagejax.backends._device import sm_count
 from sagejax.kernels._common import kv_block_range
 from sagejax.kernels.mosaic_attention import (_element, _mgpu, _tree,
-                                              load_all, wgmma_smem)
+                                              check_registers, load_all,
+                                              register_budget, wgmma_smem)
 from sagejax.masks import MaskSpec
 
 PAGE_SIZES = (32, 64, 128)
@@ -145,29 +146,15 @@ class DecodeTiling:
       if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"DecodeTiling.{name} must be a positive int or "
                          f"None, got {value!r}.")
-    regs = (self.registers(), self.producer_registers)
-    if any(r % 8 or not 24 <= r <= 256 for r in regs) or (
-        self.num_consumers * regs[0] + regs[1] > self._budget()):
-      raise ValueError(
-          f"DecodeTiling: {self.num_consumers} consumers of {regs[0]} "
-          f"registers and a producer of {regs[1]} (multiples of 8 in "
-          f"24..256) must fit the {self._budget()} per thread the CTA's "
-          f"{self.num_consumers + 1} warpgroups start with, or setmaxnreg "
-          f"waits forever.")
-
-  def _budget(self) -> int:
-    """Registers per thread of all warpgroups together: each starts with
-    the register file's share per thread, rounded down to 8 (five
-    warpgroups: 96 each; a 4-consumer kernel asking 112 each hung on an
-    H200)."""
-    groups = self.num_consumers + 1
-    return groups * (65536 // (128 * groups) // 8 * 8)
+    check_registers("DecodeTiling", self.registers(),
+                    self.producer_registers, self.num_consumers)
 
   def registers(self) -> int:
     """The consumers' registers per thread."""
     if self.consumer_registers is not None:
       return self.consumer_registers
-    free = (self._budget() - self.producer_registers) // self.num_consumers
+    free = (register_budget(self.num_consumers) - self.producer_registers
+            ) // self.num_consumers
     return min(232, free // 8 * 8)
 
 
@@ -642,7 +629,8 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
                and num_splits <= MAX_CLUSTER)
   final = num_splits == 1 or clustered
   if clustered:   # whole clusters, each taking (sequence, KV head) pairs
-    ctas = max(1, min(b * kh, ctas // num_splits)) * num_splits
+    clusters = max(1, min(b * kh, ctas // num_splits))
+    ctas = clusters * num_splits
   check_pages = final and window is None
   out_dtype = jnp.dtype(out_dtype or q.dtype)
   sk = step_keys(ps)
@@ -703,7 +691,6 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cta")   # clustered: the cluster's index
     if clustered:   # cluster c takes pairs c, c + clusters, ...
-      clusters = ctas // num_splits
       n_items = lax.div(b * kh - cta + clusters - 1, jnp.int32(clusters))
     else:
       n_items = lax.div(items - cta + ctas - 1, jnp.int32(ctas))
@@ -714,7 +701,7 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
       its step range ``[s_lo, s_hi)`` and the unmasked part ``[flo,
       fhi)``."""
       if clustered:   # the split is the CTA's rank in its cluster
-        pair = cta + it * (ctas // num_splits)
+        pair = cta + it * clusters
         batch = lax.div(pair, jnp.int32(kh))
         head = lax.rem(pair, jnp.int32(kh))
         split = lax.axis_index("split")
@@ -1108,7 +1095,7 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
   outs = plgpu.kernel(
       entry,
       out_type=out_type,
-      grid=(ctas // num_splits,) if clustered else (ctas,),
+      grid=(clusters,) if clustered else (ctas,),
       grid_names=("cta",),
       cluster=(num_splits,) if clustered else (),
       cluster_names=("split",) if clustered else (),
