@@ -75,7 +75,7 @@ def time_case(shape, variants, key, cfg):
 
 def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
   """``"bkv=64,stages=3,regs=240/24,sched=0,expturn=1,overlap=1,rs=0,qk=1,
-  nc=3"``
+  nc=3,persist=1,ctas=132"``
   → (MosaicTiling, sage2-8b config); the config fields ``warps=N``
   (``num_warps``: 8 gives the 16-row Q groups ``qk=1`` needs),
   ``fp32acc`` (``pv_accumulation="fp32"``) and ``pv=bf16`` (16-bit P·V,
@@ -110,6 +110,10 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
       kw["num_consumers"] = int(value)
     elif name == "qk":  # Q quantized in the kernel (1) or by a pass (0)
       kw["quantize_q"] = bool(int(value))
+    elif name == "persist":  # a persistent grid of CTAs (1)
+      kw["persistent"] = bool(int(value))
+    elif name == "ctas":  # with persist=1: the grid's CTAs
+      kw["num_ctas"] = int(value)
     else:
       raise ValueError(f"unknown variant field {name!r}")
   return MosaicTiling(**kw), config

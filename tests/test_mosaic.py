@@ -110,6 +110,10 @@ def test_tiling_validation():
     MosaicTiling(num_consumers=4)
   with pytest.raises(ValueError, match=r"3 \* consumer_registers.*to 160"):
     MosaicTiling(num_consumers=3, producer_registers=32)  # 232 each: hangs
+  with pytest.raises(ValueError, match="persistent"):
+    MosaicTiling(persistent=True, quantize_q=True)
+  with pytest.raises(ValueError, match="num_ctas"):
+    MosaicTiling(persistent=True, num_ctas=0)
   assert MosaicTiling(num_consumers=3, consumer_registers=160,
                       producer_registers=32).block_rows == 192
 
@@ -176,7 +180,8 @@ def test_q_is_quantized_in_the_kernel_where_its_groups_allow(config, dtype,
 
 
 @pytest.mark.parametrize("tiling", ["overlap_qk", "generic_softmax",
-                                    "three_consumers"])
+                                    "three_consumers", "persistent_5_ctas",
+                                    "persistent_three_consumers_5_ctas"])
 def test_pipelining_variants_lower_for_cuda(tiling):
   """The non-default consumer pipelines lower for CUDA on the CPU too
   (their arithmetic is checked on the GPU against "xla")."""
@@ -188,6 +193,30 @@ def test_pipelining_variants_lower_for_cuda(tiling):
       mosaic.BACKEND.prepare(call, config, t), call, config, t)
   text = jax.jit(f).trace().lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def test_default_tiling_is_persistent_only_for_uniform_tiles():
+  """The persistent grid (a static tile order) is the default where every
+  query tile does the same work: H=128, FP8 P·V, no causal mask, window,
+  lengths or mask array; the hardware's grid balances the rest."""
+  q, k, v = _data(2, 200, 300, 4, 2, 128)
+  config = PRESETS["sage2-8b"]
+  pick = lambda **kw: mosaic.default_tiling(128, config,
+                                            _inputs.parse(q, k, v, **kw))
+  assert pick().persistent
+  assert pick().consumer_registers == 240
+  assert not pick(is_causal=True).persistent
+  assert not pick(local_window_size=(50, 3)).persistent
+  assert not pick(key_value_seq_lengths=jnp.array([300, 99])).persistent
+  assert not mosaic.default_tiling(128, config).persistent  # no call
+  long = _data(1, 128, mosaic.PERSISTENT_MAX_KEYS + 1, 2, 2, 128)
+  assert not mosaic.default_tiling(128, config,
+                                   _inputs.parse(*long)).persistent
+  assert not mosaic.default_tiling(
+      64, config, _inputs.parse(q[..., :64], k[..., :64],
+                                v[..., :64])).persistent
+  assert not mosaic.default_tiling(128, PRESETS["sage1"],
+                                   _inputs.parse(q, k, v)).persistent
 
 
 def test_shared_memory_budget_is_checked_on_cpu():
@@ -235,6 +264,8 @@ GPU_CASES = [
     ("sage2-8b", (1, 4097, 4097, 4, 4, 128), dict(is_causal=True)),
     ("sage2-8b", (1, 700, 900, 4, 4, 96), dict(layout="BNTH")),
     ("sage2-8b", (1, 1000, 1000, 4, 2, 128), dict(local_window_size=(200, 10))),
+    # non-causal, GQA, odd lengths: the persistent grid (default_tiling)
+    ("sage2-8b", (2, 1000, 3000, 8, 2, 128), dict()),
     ("sage2-8b", (1, 1000, 1000, 4, 2, 64),
      dict(is_causal=True, causal_alignment="bottom_right",
           local_window_size=(300, 0), layout="BNTH")),
@@ -318,6 +349,16 @@ KERNEL_TILINGS = {
     "three_consumers_bkv64_one_level": MosaicTiling(
         num_consumers=3, consumer_registers=160, producer_registers=32,
         block_kv=64, num_stages=4),
+    "persistent": MosaicTiling(persistent=True, consumer_registers=240,
+                               producer_registers=24),
+    # 48 tiles (36 at three consumers) over a few CTAs: each takes several,
+    # its ring and Q buffers running on across tiles of different lengths.
+    "persistent_5_ctas": MosaicTiling(persistent=True, num_ctas=5),
+    "persistent_3_stages_7_ctas": MosaicTiling(persistent=True, num_ctas=7,
+                                               num_stages=3),
+    "persistent_three_consumers_5_ctas": MosaicTiling(
+        persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
+        producer_registers=32),
 }
 # Tilings run with each block's P·V accumulated straight into the output
 # (``pv_two_level=False``, config ``pv_accumulation="fp32"``), and their

@@ -60,6 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sagejax import quant
+from sagejax.backends._device import sm_count
 from sagejax.kernels._common import kv_block_range
 from sagejax.masks import MaskSpec
 
@@ -101,6 +102,15 @@ class MosaicTiling:
     heavy_first: under a causal mask the CTAs of the last query rows (the
       most KV blocks) start first, so that the grid's last wave holds the
       shortest ones (CTAs start in grid order).
+    persistent: a grid of ``num_ctas`` CTAs, each taking the query tiles
+      ``cta, cta + num_ctas, ...`` in turn (tile order as the grid's
+      otherwise): its producer streams the next tile's K/V while the
+      consumers finish the current one, and each consumer loads its next
+      tile's Q during the current tile (a per-CTA prologue and epilogue
+      once per kernel, not once per tile). Not with ``quantize_q`` or
+      ``overlap_qk``.
+    num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
+      None: one per SM.
   """
 
   block_q: int = 64
@@ -115,8 +125,16 @@ class MosaicTiling:
   quantize_q: bool = False
   heavy_first: bool = True
   num_consumers: int = 2
+  persistent: bool = False
+  num_ctas: Optional[int] = None
 
   def __post_init__(self):
+    if self.persistent and (self.quantize_q or self.overlap_qk):
+      raise ValueError("MosaicTiling(persistent=True) takes neither "
+                       "quantize_q nor overlap_qk; pass persistent=False.")
+    if self.num_ctas is not None and self.num_ctas < 1:
+      raise ValueError(f"MosaicTiling.num_ctas must be positive, got "
+                       f"{self.num_ctas}.")
     if self.block_q != 64:
       raise ValueError(f"MosaicTiling.block_q must be 64 (one wgmma M tile "
                        f"per consumer warpgroup), got {self.block_q}.")
@@ -538,6 +556,13 @@ def attention_forward(
                      f"{rows_cta} when Q is smoothed.")
   num_kv_blocks = s_pad // bkv
   ds_rows = None if delta_s is None else config_block_q // rows_cta
+  num_q_tiles = t_pad // rows_cta
+  persistent = tiling.persistent
+  if persistent and (quantize_q is not None or tiling.overlap_qk):
+    raise ValueError("a persistent kernel quantizes no Q (quantize_q=None) "
+                     "and does not overlap Q·Kᵀ (overlap_qk=False).")
+  num_tiles = n * num_q_tiles * b
+  num_ctas = min(num_tiles, tiling.num_ctas or sm_count())
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   pv_dtype = v.dtype
@@ -552,19 +577,44 @@ def attention_forward(
     q_bar, k_bar, v_bar = scratch[1]
     k_free, v_free = scratch[2]
     sched = scratch[3]
-    head = lax.axis_index("heads")
-    qt = lax.axis_index("q_tiles")
-    if spec.is_causal and tiling.heavy_first:
-      qt = t_pad // rows_cta - 1 - qt
-    batch = lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    kv_head = lax.div(head, jnp.int32(g))
-    q_len = ql_ref[batch]
-    kv_len = kl_ref[batch]
-    cta_first = qt * rows_cta
-    cta_last = jnp.minimum(cta_first + rows_cta, q_len) - 1
-    blo, fblo, fbhi, bhi = kv_block_range(spec, cta_first, cta_last, q_len,
-                                          kv_len, bkv, num_kv_blocks)
+
+    def tile_info(head, qt, batch) -> tuple:
+      """(head, qt, batch, kv_head, q_len, kv_len, first row, KV block
+      range) of the query tile ``qt`` of ``head`` in ``batch``."""
+      kv_head = lax.div(head, jnp.int32(g))
+      q_len = ql_ref[batch]
+      kv_len = kl_ref[batch]
+      cta_first = qt * rows_cta
+      cta_last = jnp.minimum(cta_first + rows_cta, q_len) - 1
+      blocks = kv_block_range(spec, cta_first, cta_last, q_len, kv_len, bkv,
+                              num_kv_blocks)
+      return head, qt, batch, kv_head, q_len, kv_len, cta_first, blocks
+
+    def heavy(qt):
+      if spec.is_causal and tiling.heavy_first:
+        return num_q_tiles - 1 - qt
+      return qt
+
+    if persistent:  # this CTA's tiles: cta, cta + num_ctas, ...
+      wg = lax.axis_index("wg")
+      cta = lax.axis_index("ctas")
+      my_tiles = lax.div(jnp.int32(num_tiles + num_ctas - 1) - cta,
+                         jnp.int32(num_ctas))
+
+      def tile_of(i):
+        # Query tiles fastest: the CTAs at work at any time share few
+        # heads' K/V in L2, however far apart their progress drifts.
+        index = cta + i * num_ctas
+        qt = lax.rem(index, jnp.int32(num_q_tiles))
+        head = lax.rem(lax.div(index, jnp.int32(num_q_tiles)), jnp.int32(n))
+        batch = lax.div(index, jnp.int32(n * num_q_tiles))
+        return tile_info(head, heavy(qt), batch)
+    else:
+      head = lax.axis_index("heads")
+      qt = heavy(lax.axis_index("q_tiles"))
+      batch = lax.axis_index("batch")
+      wg = lax.axis_index("wg")
+      tile = tile_info(head, qt, batch)
 
     # Where the consumers meet: around the products, around the
     # exponentials, or nowhere.
@@ -585,60 +635,92 @@ def attention_forward(
       for c in range(1, nc):
         pl.when(wg >= c)(meet)
 
-    def quantize_rows(row0):
-      """This consumer's Q rows quantized into ``q_smem`` (see
-      :class:`QuantizeQ`), their scales into ``qs_smem`` (with
-      ``scale_mult``; NaN for a row holding a NaN or ±Inf) and, with
-      ``k_mean``, their LSE shifts ``shift_mult · q·k̄`` into
-      ``shift_smem``."""
-      qq = quantize_q
-      x = load_all(qx_smem.at[wg], plgpu.Layout.WGMMA).astype(jnp.float32)
-      rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq, h), 0,
-                                           layout=plgpu.Layout.WGMMA)
-      x = jnp.where(rows < q_len, x, 0.0)
-      a = jnp.abs(x)
-      amax = jnp.where(a < jnp.inf, a, jnp.inf).max(axis=1)  # NaN -> inf
-      finite = amax < jnp.inf
-      group = group_rows_max(jnp.where(finite, amax, 0.0), qq.rows_per_group)
-      scale = jnp.where(group > 0, group / qq.qmax, 1.0)
-      inv_scale = lax.broadcast_in_dim(1.0 / scale, (bq, h), [0])
-      y = jnp.round(x * inv_scale)
-      y = jnp.where(lax.broadcast_in_dim(finite, (bq, h), [0]),
-                    jnp.clip(y, -qq.qmax, qq.qmax), 0.0)
-      q_smem.at[wg][...] = y.astype(jnp.int8)
-      # The scales and shifts wait in shared memory (no registers held
-      # through the KV loop).
-      qs_smem.at[wg][...] = jnp.where(finite, scale * qq.scale_mult, jnp.nan)
-      if km_ref is not None:
-        km = load_all(km_smem.at[wg], col_layout)
-        shift = (x * lax.broadcast_in_dim(km, (bq, h), [1])).sum(axis=1)
-        shift_smem.at[wg][...] = shift * qq.shift_mult
-      plgpu.commit_smem()  # the stores, before the wgmma reads them
+    def answer_last_meetings():
+      """The earlier consumers answer the later ones' last arrivals."""
+      for c in range(nc - 1):
+        pl.when(wg <= c)(meet)
 
-    @pl.when(wg < nc)
-    def _consumer():
-      plgpu.set_max_registers(tiling.consumer_registers, action="increase")
+    def mine(ref, buf):
+      """This consumer's part of a per-consumer buffer (of tile buffer
+      ``buf`` when persistent)."""
+      return ref.at[wg] if buf is None else ref.at[buf, wg]
+
+    def q_barrier(buf):
+      return q_bar.at[wg] if buf is None else q_bar.at[buf * nc + wg]
+
+    def load_q(t, buf) -> jax.Array:
+      """Starts the loads of this consumer's Q rows of tile ``t`` (with
+      their scales, K's mean, V's scales and mean); returns the first row."""
+      head, _, batch, kv_head, _, _, cta_first, _ = t
       row0 = cta_first + wg * bq
       q_rows = tile_rows(q_ref, q_layout, batch, head, row0, bq)
+      bar = q_barrier(buf)
       if quantize_q is None:
-        plgpu.copy_gmem_to_smem(q_rows, q_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(q_rows, mine(q_smem, buf), bar)
         plgpu.copy_gmem_to_smem(qs_ref.at[batch, head, pl.ds(row0, bq)],
-                                qs_smem.at[wg], q_bar.at[wg])
+                                mine(qs_smem, buf), bar)
       else:
-        plgpu.copy_gmem_to_smem(q_rows, qx_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(q_rows, qx_smem.at[wg], bar)
       if km_ref is not None:
         plgpu.copy_gmem_to_smem(km_ref.at[batch, kv_head], km_smem.at[wg],
-                                q_bar.at[wg])
-      plgpu.copy_gmem_to_smem(vs_ref.at[batch, kv_head], vs_smem.at[wg],
-                              q_bar.at[wg])
+                                bar)
+      plgpu.copy_gmem_to_smem(vs_ref.at[batch, kv_head], mine(vs_smem, buf),
+                              bar)
       if vm_ref is not None:
-        plgpu.copy_gmem_to_smem(vm_ref.at[batch, kv_head], vm_smem.at[wg],
-                                q_bar.at[wg])
-      plgpu.barrier_wait(q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(vm_ref.at[batch, kv_head],
+                                mine(vm_smem, buf), bar)
+      return row0
+
+    def consumer_tile(t, buf=None, base=None):
+      """Tile ``t``: the KV loop and the output. Persistent (``buf``: the
+      tile's Q buffer, ``base``: the ring's step count before it): its Q
+      was loaded ahead; returns the step count after it."""
+      head, qt, batch, kv_head, q_len, kv_len, cta_first, blocks = t
+      blo, fblo, fbhi, bhi = blocks
+
+      def quantize_rows(row0):
+        """This consumer's Q rows quantized into ``q_smem`` (see
+        :class:`QuantizeQ`), their scales into ``qs_smem`` (with
+        ``scale_mult``; NaN for a row holding a NaN or ±Inf) and, with
+        ``k_mean``, their LSE shifts ``shift_mult · q·k̄`` into
+        ``shift_smem``."""
+        qq = quantize_q
+        x = load_all(qx_smem.at[wg], plgpu.Layout.WGMMA).astype(jnp.float32)
+        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq, h), 0,
+                                             layout=plgpu.Layout.WGMMA)
+        x = jnp.where(rows < q_len, x, 0.0)
+        a = jnp.abs(x)
+        amax = jnp.where(a < jnp.inf, a, jnp.inf).max(axis=1)  # NaN -> inf
+        finite = amax < jnp.inf
+        group = group_rows_max(jnp.where(finite, amax, 0.0), qq.rows_per_group)
+        scale = jnp.where(group > 0, group / qq.qmax, 1.0)
+        inv_scale = lax.broadcast_in_dim(1.0 / scale, (bq, h), [0])
+        y = jnp.round(x * inv_scale)
+        y = jnp.where(lax.broadcast_in_dim(finite, (bq, h), [0]),
+                      jnp.clip(y, -qq.qmax, qq.qmax), 0.0)
+        q_smem.at[wg][...] = y.astype(jnp.int8)
+        # The scales and shifts wait in shared memory (no registers held
+        # through the KV loop).
+        qs_smem.at[wg][...] = jnp.where(finite, scale * qq.scale_mult, jnp.nan)
+        if km_ref is not None:
+          km = load_all(km_smem.at[wg], col_layout)
+          shift = (x * lax.broadcast_in_dim(km, (bq, h), [1])).sum(axis=1)
+          shift_smem.at[wg][...] = shift * qq.shift_mult
+        plgpu.commit_smem()  # the stores, before the wgmma reads them
+
+      def slot_of(j):
+        return lax.rem(j - blo if base is None else base + (j - blo),
+                       jnp.int32(stages))
+
+      if buf is None:
+        row0 = load_q(t, None)
+      else:
+        row0 = cta_first + wg * bq
+      plgpu.barrier_wait(q_barrier(buf))
       if quantize_q is not None:
         with jax.named_scope("quantize_q"):
           quantize_rows(row0)
-      qs = load_all(qs_smem.at[wg], row_layout)
+      qs = load_all(mine(qs_smem, buf), row_layout)
       inv_qs = 1.0 / qs if ds_ref is not None else None
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                             row_layout)
@@ -647,7 +729,7 @@ def attention_forward(
                               plgpu.Layout.WGMMA)
 
       def issue_qk(s_ref, slot):
-        plgpu.wgmma(s_ref, q_smem.at[wg],
+        plgpu.wgmma(s_ref, mine(q_smem, buf),
                     k_smem.at[slot].transpose((1, 0)))
         meet("products")
 
@@ -736,7 +818,7 @@ def attention_forward(
 
       def step(j, carry, masked: bool):
         acc, m, l = carry
-        slot = lax.rem(j - blo, jnp.int32(stages))
+        slot = slot_of(j)
 
         def qk(s_ref):
           issue_qk(s_ref, slot)
@@ -761,8 +843,7 @@ def attention_forward(
           @pl.when(nxt < bhi)
           def _():
             with jax.named_scope("wait_k"):
-              plgpu.barrier_wait(
-                  k_bar.at[lax.rem(nxt - blo, jnp.int32(stages))])
+              plgpu.barrier_wait(k_bar.at[slot_of(nxt)])
 
         with jax.named_scope("pv"):
           if pv_two_level:
@@ -782,7 +863,7 @@ def attention_forward(
         which holds this step's scores on entry) running during the
         softmax."""
         acc, m, l = carry
-        slot = lax.rem(j - blo, jnp.int32(stages))
+        slot = slot_of(j)
         # The logits are made before the next Q·Kᵀ is issued into the same
         # accumulator: with the INT32 sums still live across the issue,
         # ptxas waits for that product (measured: 0.7x the speed).
@@ -796,7 +877,7 @@ def attention_forward(
 
         @pl.when(nxt < bhi)
         def _():
-          nslot = lax.rem(nxt - blo, jnp.int32(stages))
+          nslot = slot_of(nxt)
           with jax.named_scope("wait_k"):
             plgpu.barrier_wait(k_bar.at[nslot])
           s_ref[...] = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.int32),
@@ -847,24 +928,27 @@ def attention_forward(
       else:
         @pl.when(bhi > blo)
         def _():
-          plgpu.barrier_wait(k_bar.at[0])
+          plgpu.barrier_wait(k_bar.at[0 if base is None else slot_of(blo)])
 
-        stagger()
+        if base is None:
+          stagger()
         acc, m, l = run_steps(step, (acc, m, l))
-      for c in range(nc - 1):  # answer the later consumers' last arrivals
-        pl.when(wg <= c)(meet)
+      if base is None:
+        answer_last_meetings()
 
       rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
                                            layout=row_layout)
       seen = (l != 0) & (rows < q_len)  # a NaN sum is seen (quant's rules)
       inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-      vs = load_all(vs_smem.at[wg], col_layout)
+      vs = load_all(mine(vs_smem, buf), col_layout)
       out = (acc * lax.broadcast_in_dim(inv_l, (bq, h), [0])
              * lax.broadcast_in_dim(vs, (bq, h), [1]))
       if vm_ref is not None:
-        vm = load_all(vm_smem.at[wg], col_layout)
+        vm = load_all(mine(vm_smem, buf), col_layout)
         out = jnp.where(lax.broadcast_in_dim(seen, (bq, h), [0]),
                         out + lax.broadcast_in_dim(vm, (bq, h), [1]), 0.0)
+      if base is not None:  # the last tile's output is out of o_smem
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       o_smem.at[wg][...] = out.astype(out_dtype)
       p_shift = _LOG2_P_SCALE if fp8 else 0.0
       lse = (m + jnp.log2(jnp.where(seen, l, 1.0)) - p_shift) * quant.LN2
@@ -876,18 +960,48 @@ def attention_forward(
           o_smem.at[wg], tile_rows(out_ref, out_layout, batch, head, row0, bq))
       plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                               lse_ref.at[batch, head, pl.ds(row0, bq)])
+      if base is None:
+        plgpu.wait_smem_to_gmem(0)
+        return None
+      return base + (bhi - blo)
+
+    @pl.when(wg < nc)
+    def _consumer():
+      plgpu.set_max_registers(tiling.consumer_registers, action="increase")
+      if not persistent:
+        consumer_tile(tile)
+        return
+      load_q(tile_of(0), 0)
+      stagger()
+
+      def next_tile(i, base):
+        buf = lax.rem(i, jnp.int32(2))
+
+        @pl.when(i + 1 < my_tiles)  # its buffer's last tile is done
+        def _():
+          load_q(tile_of(i + 1), 1 - buf)
+
+        return consumer_tile(tile_of(i), buf, base)
+
+      lax.fori_loop(0, my_tiles, next_tile, jnp.int32(0))
+      answer_last_meetings()
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == nc)
-    def _producer():
-      plgpu.set_max_registers(tiling.producer_registers, action="decrease")
+
+    def produce_tile(t, base=None):
+      """Streams tile ``t``'s K and V tiles (after ``base`` steps of the
+      ring, persistent); returns the step count after them."""
+      head, qt, batch, kv_head, _, _, _, (blo, _, _, bhi) = t
 
       @pl.loop(blo, bhi)
       def _(j):
-        slot = lax.rem(j - blo, jnp.int32(stages))
+        def step():
+          return j - blo if base is None else base + (j - blo)
+
+        slot = lax.rem(step(), jnp.int32(stages))
         keys = pl.ds(j * bkv, bkv)
 
-        @pl.when(j - blo >= stages)
+        @pl.when(step() >= stages)
         def _():
           with jax.named_scope("wait_k_free"):
             plgpu.barrier_wait(k_free.at[slot])
@@ -904,7 +1018,7 @@ def attention_forward(
           plgpu.copy_gmem_to_smem(vks_ref.at[batch, kv_head, keys],
                                   vks_smem.at[slot], k_bar.at[slot])
 
-        @pl.when(j - blo >= stages)
+        @pl.when(step() >= stages)
         def _():
           with jax.named_scope("wait_v_free"):
             plgpu.barrier_wait(v_free.at[slot])
@@ -914,6 +1028,18 @@ def attention_forward(
         else:
           v_src = v_ref.at[batch, kv_head, keys]
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
+
+      return None if base is None else base + (bhi - blo)
+
+    @pl.when(wg == nc)
+    def _producer():
+      plgpu.set_max_registers(tiling.producer_registers, action="decrease")
+      if not persistent:
+        produce_tile(tile)
+        return
+      lax.fori_loop(0, my_tiles,
+                    lambda i, base: produce_tile(tile_of(i), base),
+                    jnp.int32(0))
 
   inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
                 ds=delta_s, vks=v_key_scale, km=k_mean, ql=q_lengths,
@@ -925,17 +1051,18 @@ def attention_forward(
     out_ref, lse_ref = all_refs[len(names):]
     ds_ref = refs.get("ds")
     v_tile = (stages, h, bkv) if fp8 else (stages, bkv, h)
+    q_bufs = (2, nc) if persistent else (nc,)  # per tile, per consumer
     smem = (
-        wgmma_smem((nc, bq, h), jnp.int8),
-        plgpu.SMEM((nc, bq), jnp.float32),
+        wgmma_smem((*q_bufs, bq, h), jnp.int8),
+        plgpu.SMEM((*q_bufs, bq), jnp.float32),
         wgmma_smem((stages, bkv, h), jnp.int8),
         plgpu.SMEM((stages, bkv), jnp.float32),
         wgmma_smem(v_tile, pv_dtype),
         None if ds_ref is None else plgpu.SMEM((stages, bkv), jnp.float32),
         wgmma_smem((nc, bq, h), out_dtype),
         plgpu.SMEM((nc, bq), jnp.float32),
-        plgpu.SMEM((nc, h), jnp.float32),
-        None if "vm" not in refs else plgpu.SMEM((nc, h), jnp.float32),
+        plgpu.SMEM((*q_bufs, h), jnp.float32),
+        None if "vm" not in refs else plgpu.SMEM((*q_bufs, h), jnp.float32),
         None if "vks" not in refs else plgpu.SMEM((stages, bkv), jnp.float32),
         None if quantize_q is None else wgmma_smem((nc, bq, h), q.dtype),
         None if "km" not in refs else plgpu.SMEM((nc, h), jnp.float32),
@@ -947,7 +1074,8 @@ def attention_forward(
     pl.run_scoped(
         lambda *scratch: kernel(refs, out_ref, lse_ref, scratch),
         smem,
-        (plgpu.Barrier(num_arrivals=q_arrivals, num_barriers=nc),
+        (plgpu.Barrier(num_arrivals=q_arrivals,
+                       num_barriers=math.prod(q_bufs)),
          plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=stages),
          plgpu.Barrier(num_barriers=stages)),
         (plgpu.Barrier(num_arrivals=nc, num_barriers=stages),) * 2,
@@ -959,16 +1087,22 @@ def attention_forward(
     out_shape = (b, t_pad, n, h)
   else:
     out_shape = (b, n, t_pad, h)
+  if persistent:
+    grid, grid_names = (num_ctas,), ("ctas",)
+    profile_steps = num_kv_blocks * -(-num_tiles // num_ctas)
+  else:
+    grid, grid_names = (n, num_q_tiles, b), ("heads", "q_tiles", "batch")
+    profile_steps = num_kv_blocks
   return plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),
                 jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
-      grid=(n, t_pad // rows_cta, b),
-      grid_names=("heads", "q_tiles", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=nc + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
-          approx_math=True, **_profile_params(profile_dir, num_kv_blocks)),
+          approx_math=True, **_profile_params(profile_dir, profile_steps)),
   )(*(inputs[name] for name in names))
 
 
