@@ -110,7 +110,9 @@ class MosaicTiling:
       once per kernel, not once per tile). Not with ``quantize_q`` or
       ``overlap_qk``.
     num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
-      None: one per SM.
+      None: one per SM of the device seen when tracing (132, an H100's or
+      H200's, without a GPU: a program exported from a CPU host for a GPU
+      with fewer SMs would run some CTAs a wave late).
   """
 
   block_q: int = 64
