@@ -197,8 +197,8 @@ def test_pipelining_variants_lower_for_cuda(tiling):
 
 def test_default_tiling_is_persistent_only_for_uniform_tiles():
   """The persistent grid (a static tile order) is the default where every
-  query tile does the same work: H=128, FP8 P·V, no causal mask, window,
-  lengths or mask array; the hardware's grid balances the rest."""
+  query tile does the same work: H=128, at most 4096 keys, no causal mask,
+  window, lengths or mask array; the hardware's grid balances the rest."""
   q, k, v = _data(2, 200, 300, 4, 2, 128)
   config = PRESETS["sage2-8b"]
   pick = lambda **kw: mosaic.default_tiling(128, config,
@@ -215,8 +215,8 @@ def test_default_tiling_is_persistent_only_for_uniform_tiles():
   assert not mosaic.default_tiling(
       64, config, _inputs.parse(q[..., :64], k[..., :64],
                                 v[..., :64])).persistent
-  assert not mosaic.default_tiling(128, PRESETS["sage1"],
-                                   _inputs.parse(q, k, v)).persistent
+  assert mosaic.default_tiling(128, PRESETS["sage1"],
+                               _inputs.parse(q, k, v)).persistent
 
 
 def test_shared_memory_budget_is_checked_on_cpu():
@@ -271,6 +271,7 @@ GPU_CASES = [
           local_window_size=(300, 0), layout="BNTH")),
     ("sage1", (2, 1000, 1000, 8, 4, 128), dict(is_causal=True)),
     ("sage1", (1, 257, 1023, 4, 4, 64), dict(lengths=True)),
+    ("sage1", (2, 512, 2048, 8, 4, 128), dict()),  # persistent, FP16 P·V
     ("sage2-4b", (2, 1000, 1000, 8, 4, 128), dict(is_causal=True)),
     ("sage2-4b", (1, 300, 2000, 4, 2, 64),
      dict(causal_alignment="bottom_right", is_causal=True, lengths=True)),
@@ -571,6 +572,8 @@ BWD_GPU_CASES = [
                                       local_window_size=(256, 0)), "auto"),
     ((1, 17, 257, 4, 4, 64), dict(layout="BNTH"), "auto"),
     ((2, 1, 1000, 4, 2, 128), dict(), "recompute"),
+    # the BF16-P·V forward on the persistent grid (default_tiling)
+    ((2, 1000, 1000, 4, 2, 128), dict(), "auto"),
 ]
 
 

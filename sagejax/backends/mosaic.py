@@ -54,18 +54,18 @@ def default_tiling(head_dim: int, config: SageConfig,
   section 5): at H=64 with FP8 P·V, 256-key steps with the consumers taking
   turns around their exponentials (+10-12% over 128-key steps meeting
   around the products); 16-bit P·V (``sage1``, the training forward) keeps
-  128-key steps (256 were not measured there). At H=128 with FP8 P·V, a
-  ``call`` of at most 4096 keys whose query tiles all see every key (no
-  causal mask, window or lengths: equal work per tile) runs the persistent
-  grid with 240/24 registers (section 11, H100: kernel +10% at 1k, +2% at
-  4k, −1% at 16k; the static tile order loses 6-9% to uneven causal tiles,
-  which stay on the hardware's grid)."""
+  128-key steps (256 were not measured there). At H=128, a ``call`` of at
+  most 4096 keys whose query tiles all see every key (no causal mask,
+  window or lengths: equal work per tile) runs the persistent grid with
+  240/24 registers (section 11, H100: FP8 P·V kernel +10% at 1k, +2% at 4k,
+  −1% at 16k; 16-bit P·V +8% at 2k, +3% at 4k; the static tile order loses
+  6-9% to uneven causal tiles, which stay on the hardware's grid)."""
   if head_dim <= 64:
     if config.pv_dtype == "fp8_e4m3":
       return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
     return MosaicTiling(block_kv=128, num_stages=3)
-  if (call is not None and config.pv_dtype == "fp8_e4m3"
-      and call.dims[5] <= PERSISTENT_MAX_KEYS and uniform_tiles(call)):
+  if (call is not None and call.dims[5] <= PERSISTENT_MAX_KEYS
+      and uniform_tiles(call)):
     return MosaicTiling(block_kv=128, num_stages=2, persistent=True,
                         consumer_registers=240, producer_registers=24)
   return MosaicTiling(block_kv=128, num_stages=2)
