@@ -195,6 +195,27 @@ def test_pipelining_variants_lower_for_cuda(tiling):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("b,n,num_q_tiles,num_ctas", [
+    (2, 4, 6, 5), (2, 4, 6, 7), (4, 32, 8, 132), (1, 3, 1, 132)])
+def test_persistent_schedule_takes_every_tile_once(b, n, num_q_tiles,
+                                                   num_ctas):
+  """The persistent grid's CTAs together take every (head, query tile,
+  batch) exactly once, query tiles varying fastest."""
+  num_tiles = b * n * num_q_tiles
+  num_ctas = min(num_ctas, num_tiles)
+  seen = []
+  for cta in range(num_ctas):
+    count = int(mosaic_attention.persistent_tiles(cta, num_tiles, num_ctas))
+    for i in range(count):
+      head, qt, batch = (int(x) for x in mosaic_attention.persistent_tile(
+          cta + i * num_ctas, n, num_q_tiles))
+      seen.append((batch, head, qt))
+  assert sorted(seen) == [(bb, hh, tt) for bb in range(b) for hh in range(n)
+                          for tt in range(num_q_tiles)]
+  assert tuple(int(x) for x in mosaic_attention.persistent_tile(
+      1, n, num_q_tiles)) == ((0, 1, 0) if num_q_tiles > 1 else (1, 0, 0))
+
+
 def test_default_tiling_is_persistent_only_for_uniform_tiles():
   """The persistent grid (a static tile order) is the default where every
   query tile does the same work: H=128, at most 4096 keys, no causal mask,

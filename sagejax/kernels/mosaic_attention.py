@@ -464,6 +464,25 @@ def _as_pv_operand(p8: jax.Array) -> jax.Array:
   return relabel(p8)
 
 
+def persistent_tiles(cta, num_tiles: int, num_ctas: int):
+  """How many tiles the persistent CTA ``cta`` takes: ``cta, cta +
+  num_ctas, ...`` below ``num_tiles``."""
+  return lax.div(jnp.int32(num_tiles + num_ctas - 1) - cta,
+                 jnp.int32(num_ctas))
+
+
+def persistent_tile(index, num_heads: int, num_q_tiles: int):
+  """(head, query tile, batch) of the persistent grid's tile ``index``.
+  Query tiles vary fastest: the CTAs at work at any time share few heads'
+  K/V in L2, however far apart their progress drifts (benchmarks/NOTES.md,
+  Mosaic section 11)."""
+  qt = lax.rem(index, jnp.int32(num_q_tiles))
+  head = lax.rem(lax.div(index, jnp.int32(num_q_tiles)),
+                 jnp.int32(num_heads))
+  batch = lax.div(index, jnp.int32(num_heads * num_q_tiles))
+  return head, qt, batch
+
+
 def tile_rows(ref, layout: str, batch, head, start, size: int):
   """The ``[size, H]`` rows ``[start, start + size)`` of one head of a
   ``[B, T, N, H]`` (``"BTNH"``) or ``[B, N, T, H]`` (``"BNTH"``) ref."""
@@ -600,16 +619,10 @@ def attention_forward(
     if persistent:  # this CTA's tiles: cta, cta + num_ctas, ...
       wg = lax.axis_index("wg")
       cta = lax.axis_index("ctas")
-      my_tiles = lax.div(jnp.int32(num_tiles + num_ctas - 1) - cta,
-                         jnp.int32(num_ctas))
+      my_tiles = persistent_tiles(cta, num_tiles, num_ctas)
 
       def tile_of(i):
-        # Query tiles fastest: the CTAs at work at any time share few
-        # heads' K/V in L2, however far apart their progress drifts.
-        index = cta + i * num_ctas
-        qt = lax.rem(index, jnp.int32(num_q_tiles))
-        head = lax.rem(lax.div(index, jnp.int32(num_q_tiles)), jnp.int32(n))
-        batch = lax.div(index, jnp.int32(n * num_q_tiles))
+        head, qt, batch = persistent_tile(cta + i * num_ctas, n, num_q_tiles)
         return tile_info(head, heavy(qt), batch)
     else:
       head = lax.axis_index("heads")
