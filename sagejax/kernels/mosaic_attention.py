@@ -50,7 +50,7 @@ import dataclasses
 import functools
 import inspect
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -464,6 +464,20 @@ def _as_pv_operand(p8: jax.Array) -> jax.Array:
   return relabel(p8)
 
 
+class QueryTile(NamedTuple):
+  """A CTA's query tile: its head, tile index, batch, KV head, the valid
+  lengths, its first row and its KV block range ``(lo, full_lo, full_hi,
+  hi)`` (:func:`sagejax.kernels._common.kv_block_range`)."""
+  head: jax.Array
+  qt: jax.Array
+  batch: jax.Array
+  kv_head: jax.Array
+  q_len: jax.Array
+  kv_len: jax.Array
+  first_row: jax.Array
+  blocks: tuple
+
+
 def persistent_tiles(cta, num_tiles: int, num_ctas: int):
   """How many tiles the persistent CTA ``cta`` takes: ``cta, cta +
   num_ctas, ...`` below ``num_tiles``."""
@@ -579,9 +593,9 @@ def attention_forward(
   ds_rows = None if delta_s is None else config_block_q // rows_cta
   num_q_tiles = t_pad // rows_cta
   persistent = tiling.persistent
-  if persistent and (quantize_q is not None or tiling.overlap_qk):
-    raise ValueError("a persistent kernel quantizes no Q (quantize_q=None) "
-                     "and does not overlap Q·Kᵀ (overlap_qk=False).")
+  if persistent and quantize_q is not None:
+    raise ValueError("a persistent kernel quantizes no Q: pass "
+                     "quantize_q=None.")
   num_tiles = n * num_q_tiles * b
   num_ctas = min(num_tiles, tiling.num_ctas or sm_count())
   row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -599,9 +613,8 @@ def attention_forward(
     k_free, v_free = scratch[2]
     sched = scratch[3]
 
-    def tile_info(head, qt, batch) -> tuple:
-      """(head, qt, batch, kv_head, q_len, kv_len, first row, KV block
-      range) of the query tile ``qt`` of ``head`` in ``batch``."""
+    def tile_info(head, qt, batch) -> QueryTile:
+      """The query tile ``qt`` of ``head`` in ``batch``."""
       kv_head = lax.div(head, jnp.int32(g))
       q_len = ql_ref[batch]
       kv_len = kl_ref[batch]
@@ -609,7 +622,8 @@ def attention_forward(
       cta_last = jnp.minimum(cta_first + rows_cta, q_len) - 1
       blocks = kv_block_range(spec, cta_first, cta_last, q_len, kv_len, bkv,
                               num_kv_blocks)
-      return head, qt, batch, kv_head, q_len, kv_len, cta_first, blocks
+      return QueryTile(head, qt, batch, kv_head, q_len, kv_len, cta_first,
+                       blocks)
 
     def heavy(qt):
       if spec.is_causal and tiling.heavy_first:
@@ -666,8 +680,8 @@ def attention_forward(
     def load_q(t, buf) -> jax.Array:
       """Starts the loads of this consumer's Q rows of tile ``t`` (with
       their scales, K's mean, V's scales and mean); returns the first row."""
-      head, _, batch, kv_head, _, _, cta_first, _ = t
-      row0 = cta_first + wg * bq
+      head, batch, kv_head = t.head, t.batch, t.kv_head
+      row0 = t.first_row + wg * bq
       q_rows = tile_rows(q_ref, q_layout, batch, head, row0, bq)
       bar = q_barrier(buf)
       if quantize_q is None:
@@ -1002,21 +1016,19 @@ def attention_forward(
       answer_last_meetings()
       plgpu.wait_smem_to_gmem(0)
 
-
     def produce_tile(t, base=None):
       """Streams tile ``t``'s K and V tiles (after ``base`` steps of the
       ring, persistent); returns the step count after them."""
-      head, qt, batch, kv_head, _, _, _, (blo, _, _, bhi) = t
+      head, qt, batch, kv_head = t.head, t.qt, t.batch, t.kv_head
+      blo, bhi = t.blocks[0], t.blocks[3]
 
       @pl.loop(blo, bhi)
       def _(j):
-        def step():
-          return j - blo if base is None else base + (j - blo)
-
-        slot = lax.rem(step(), jnp.int32(stages))
+        ring_step = j - blo if base is None else base + (j - blo)
+        slot = lax.rem(ring_step, jnp.int32(stages))
         keys = pl.ds(j * bkv, bkv)
 
-        @pl.when(step() >= stages)
+        @pl.when(ring_step >= stages)
         def _():
           with jax.named_scope("wait_k_free"):
             plgpu.barrier_wait(k_free.at[slot])
@@ -1033,7 +1045,7 @@ def attention_forward(
           plgpu.copy_gmem_to_smem(vks_ref.at[batch, kv_head, keys],
                                   vks_smem.at[slot], k_bar.at[slot])
 
-        @pl.when(step() >= stages)
+        @pl.when(ring_step >= stages)
         def _():
           with jax.named_scope("wait_v_free"):
             plgpu.barrier_wait(v_free.at[slot])

@@ -74,6 +74,7 @@ from sagejax.backends._device import sm_count
 from sagejax.kernels._common import kv_block_range
 from sagejax.kernels.mosaic_attention import (_element, _mgpu, _tree,
                                               check_registers, load_all,
+                                              persistent_tiles,
                                               register_budget, wgmma_smem)
 from sagejax.masks import MaskSpec
 
@@ -691,9 +692,9 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cta")   # clustered: the cluster's index
     if clustered:   # cluster c takes pairs c, c + clusters, ...
-      n_items = lax.div(b * kh - cta + clusters - 1, jnp.int32(clusters))
+      n_items = persistent_tiles(cta, b * kh, clusters)
     else:
-      n_items = lax.div(items - cta + ctas - 1, jnp.int32(ctas))
+      n_items = persistent_tiles(cta, items, ctas)
 
     def item(it):
       """Work item ``it`` of this CTA: (batch, KV head, split), the

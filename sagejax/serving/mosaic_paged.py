@@ -9,8 +9,8 @@ normalized per step of :func:`~sagejax.kernels.mosaic_decode.step_keys` keys
 by their largest V scale: ``PagedMath.block_k``). It quantizes the queries
 per row and merges its consumers' and splits' partials by LSE itself (one
 launch; a sequence's splits run as one CTA cluster), except with more than 8
-splits (then XLA merges them after it). INT8/FP8 pages of 32, 64 or 128 tokens (16-bit: 64 or 128),
-head dims 64 and 128, at most 32 query heads per KV head, no soft-cap
+splits (then XLA merges them after it). INT8/FP8 pages of 32, 64 or 128
+tokens (16-bit: 64 or 128), head dims 64 and 128, at most 32 query heads per KV head, no soft-cap
 (:func:`decode_unsupported`).
 
 **Extend**:
