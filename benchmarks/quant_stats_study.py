@@ -4,9 +4,10 @@ single-pass K/V quantization could use, against today's global ones.
 Each operand's quantization error alone, one head at a time, T = S = 4096,
 H = 128, float64 reference:
 
-1. V in FP8 e4m3 with one scale per channel over all tokens (sage2-8b) or
-   one per channel and 128-key block: relative L2 error of ``P·V_deq`` with
-   the exact P.
+1. V in FP8 e4m3 with one scale per channel over all tokens (sage2-8b), one
+   per channel and 128-key block, or one per block of 64 or 256 keys shared
+   by all channels: relative L2 error of ``P·V_deq`` with the exact P; and,
+   per output channel, with one outlier channel 1-10000x the others.
 2. K smoothed by its mean over all tokens, over 256 strided tokens, over
    the first 256 tokens, or not at all, then INT8 per token: relative L2
    error of ``softmax(q·K_deqᵀ)·V`` with the exact V.
@@ -55,6 +56,17 @@ def fp8_v(v: np.ndarray, block=None) -> np.ndarray:
   return out
 
 
+def fp8_v_block_scalar(v: np.ndarray, block: int) -> np.ndarray:
+  """V dequantized from FP8 with one scale per block of keys (all
+  channels)."""
+  out = np.empty_like(v)
+  for j in range(0, v.shape[0], block):
+    amax = np.abs(v[j:j + block]).max()
+    out[j:j + block] = fp8_round(v[j:j + block],
+                                 amax / 448 if amax > 0 else 1.0)
+  return out
+
+
 def int8_k(k: np.ndarray, mean: np.ndarray) -> np.ndarray:
   """K smoothed by ``mean``, INT8 per token, dequantized (mean added back:
   softmax is shift-invariant, so only the rounding error differs)."""
@@ -85,7 +97,11 @@ def main():
       p = softmax(qh @ kh.T / np.sqrt(H))
       out = p @ vh
       for name, vd in (("V per channel (now)", fp8_v(vh)),
-                       ("V per 128-key block and channel", fp8_v(vh, 128))):
+                       ("V per 128-key block and channel", fp8_v(vh, 128)),
+                       ("V per 256-key block, one scale",
+                        fp8_v_block_scalar(vh, 256)),
+                       ("V per 64-key block, one scale",
+                        fp8_v_block_scalar(vh, 64))):
         errors.setdefault(name, []).append(rel_l2(p @ vd, out))
       means = {"K mean over all tokens (now)": kh.mean(0, keepdims=True),
                "K mean over 256 strided tokens":
@@ -100,5 +116,25 @@ def main():
       print(f"{kind:22s} {name:34s} rel_l2 {max(errs):.2e}", flush=True)
 
 
+def outlier_channels():
+  """FP8 V with one channel ``mult`` times the others: relative L2 error of
+  each output channel of P·V (P exact), median and worst channel."""
+  rng = np.random.default_rng(0)
+  q, k = rng.standard_normal((2, S, H))
+  p = softmax(q @ k.T / np.sqrt(H))
+  for mult in (1, 100, 1000, 10000):
+    v = rng.standard_normal((S, H))
+    v[:, 3] *= mult
+    out = p @ v
+    for name, vd in (("V per channel (now)", fp8_v(v)),
+                     ("V per 256-key block, one scale",
+                      fp8_v_block_scalar(v, 256))):
+      err = (np.linalg.norm(p @ vd - out, axis=0)
+             / np.linalg.norm(out, axis=0))
+      print(f"outlier channel x{mult:<6d} {name:34s} median channel "
+            f"{np.median(err):.2e} worst {err.max():.2e}", flush=True)
+
+
 if __name__ == "__main__":
   main()
+  outlier_channels()
