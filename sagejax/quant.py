@@ -65,6 +65,8 @@ from sagejax.config import (
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# Tokens a sampled smoothing mean is taken over (sampled_mean).
+MEAN_SAMPLES = 256
 # Largest finite float8_e4m3fn value: P̃ ∈ [0, 1] is stored as P̃·448 and V as
 # V / (max|V[:, c]| / 448).
 FP8_MAX = 448.0
@@ -316,6 +318,30 @@ def token_mean(x: jax.Array, lengths: Optional[jax.Array] = None
   total = jnp.sum(jnp.where(valid, x, 0.0), axis=-2)
   count = jnp.maximum(jnp.sum(valid, axis=-2), 1)
   return total / count
+
+
+def sampled_mean(x: jax.Array, lengths: Optional[jax.Array] = None,
+                 token_axis: int = -2) -> jax.Array:
+  """The smoothing mean of ``x [B, ..., T, H]``: f32 ``[B, ..., H]``, the mean
+  of the ``MEAN_SAMPLES`` tokens ``⌊i·L / MEAN_SAMPLES⌋`` (``L`` the batch's
+  valid length; tokens repeat when ``L`` is smaller; 0 when ``L`` is 0).
+
+  Where any fixed vector will do (the backward's K smoothing: its gradient
+  is exact for every k̄), this one reads a few tokens, not all of them.
+  Non-finite values count as 0 (:func:`finite_part`). ``token_axis``: where
+  the tokens are (1 for ``[B, S, K, H]``); the result drops that axis.
+  """
+  axis = token_axis % x.ndim
+  b, t = x.shape[0], x.shape[axis]
+  n_len = valid_lengths(lengths, b, t)
+  idx = (jnp.arange(MEAN_SAMPLES, dtype=jnp.int32)[None, :]
+         * n_len[:, None]) // MEAN_SAMPLES  # [B, MEAN_SAMPLES], below L
+  shape = [1] * x.ndim
+  shape[0], shape[axis] = b, MEAN_SAMPLES
+  rows = jnp.take_along_axis(x, idx.reshape(shape), axis=axis)
+  mean = jnp.mean(finite_part(rows.astype(jnp.float32)), axis=axis)
+  empty = (n_len == 0).reshape((b,) + (1,) * (mean.ndim - 1))
+  return jnp.where(empty, 0.0, mean)
 
 
 def block_mean(x: jax.Array, block: int, lengths: Optional[jax.Array] = None

@@ -243,6 +243,28 @@ def test_v_fp8_per_channel(next_key):
   assert np.all(np.abs(deq - x) <= bound * (1 + 1e-6))
 
 
+def test_sampled_mean(next_key):
+  """The smoothing mean: MEAN_SAMPLES evenly strided valid tokens (all of
+  them, repeated, for short sequences), finite values only, either token
+  axis."""
+  m = quant.MEAN_SAMPLES
+  x = jax.random.normal(next_key(), (3, 2, 4 * m + 3, 8))
+  lengths = jnp.array([4 * m + 3, 2 * m, 5])
+  x = x.at[1, 0, 2 * m].set(jnp.nan)  # past batch 1's length
+  x = x.at[0, 1, 0].set(jnp.inf)  # a sampled token: counts as 0
+  got = quant.sampled_mean(x, lengths)
+  xn = np.nan_to_num(np.asarray(x), posinf=0.0)
+  for b, n_len in enumerate(np.asarray(lengths)):
+    idx = np.arange(m) * n_len // m
+    np.testing.assert_allclose(got[b], xn[b][:, idx].mean(axis=1), rtol=1e-5,
+                               atol=1e-6)
+  np.testing.assert_array_equal(idx, np.arange(m) * 5 // m)
+  assert set(np.arange(m) * 2 * m // m) == set(range(0, 2 * m, 2))
+  btnh = quant.sampled_mean(jnp.swapaxes(x, 1, 2), lengths, token_axis=1)
+  np.testing.assert_array_equal(btnh, got)
+  assert not np.any(quant.sampled_mean(x, jnp.array([0, 1, 2]))[0])
+
+
 def test_p_fp8_static_scale(next_key):
   p = jnp.concatenate([jnp.array([0.0, 1.0, 0.5, 2.0**-12]),
                        jax.random.uniform(next_key(), (1000,))])

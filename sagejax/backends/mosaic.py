@@ -249,7 +249,8 @@ class _MosaicBackend:
 
     q_lengths = quant.valid_lengths(call.q_lengths, b, t)
     kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
-    # K smoothed: dQ never multiplies a large mean. V smoothed when the dQ
+    # K smoothed: dQ never multiplies a large mean (any fixed k̄ gives the
+    # same gradient: a sampled one, no pass over K). V smoothed when the dQ
     # kernel makes the statistics: dP − δ is unchanged, but its sums do not
     # cancel a large V mean.
     kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)

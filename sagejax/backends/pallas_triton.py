@@ -81,12 +81,14 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
 def smoothed(x: jax.Array, lengths: jax.Array, layout: str, head_dim: int,
              size: int, interpret: bool = False
              ) -> tuple[jax.Array, jax.Array]:
-  """K or V minus its mean over the valid tokens, in its dtype and layout,
-  padded to ``head_dim`` and ``size`` tokens; and the f32 mean ``[B, K,
-  head_dim]``."""
-  x = pad_axis(pad_axis(x, 3, head_dim), 1 if layout == "BTNH" else 2, size)
-  mean = triton_quantize.token_statistics(x, None, lengths, layout=layout,
-                                         interpret=interpret)[0]
+  """K or V minus a mean of its valid tokens (:func:`sagejax.quant.
+  sampled_mean`: the backward is exact for any fixed vector, and this one
+  reads a few tokens), in its dtype and layout, padded to ``head_dim`` and
+  ``size`` tokens; and the f32 mean ``[B, K, head_dim]``."""
+  del interpret  # XLA's
+  t_ax = 1 if layout == "BTNH" else 2
+  x = pad_axis(pad_axis(x, 3, head_dim), t_ax, size)
+  mean = quant.sampled_mean(x, lengths, token_axis=t_ax)
   bcast = mean[:, None] if layout == "BTNH" else mean[:, :, None]
   return (x.astype(jnp.float32) - bcast).astype(x.dtype), mean
 
