@@ -7,8 +7,11 @@ K and V), then tokens, then channels.
 
 The pieces, in the order a forward pass uses them:
 
-* Smoothing (SageAttention §3, SageAttention2 §3.1). K minus its mean over
-  tokens: exact, since softmax is invariant to a per-row shift of the scores.
+* Smoothing (SageAttention §3, SageAttention2 §3.1). K minus a mean over
+  tokens: exact for *any* fixed vector, since softmax is invariant to a
+  per-row shift of the scores, so it is the mean of ``MEAN_SAMPLES`` evenly
+  strided tokens (:func:`sampled_mean`; as accurate as all tokens,
+  benchmarks/NOTES.md Mosaic 12, and no pass over K).
   Q minus the mean of each Q block, with ΔS = q̄·γ(K)ᵀ added back to the scores
   in FP32. V minus its mean over tokens, added back to the output (rows of
   the normalised P sum to one).
@@ -65,7 +68,7 @@ from sagejax.config import (
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-# Tokens a sampled smoothing mean is taken over (sampled_mean).
+# Tokens a sampled smoothing mean is taken over (sampled_mean); a power of two.
 MEAN_SAMPLES = 256
 # Largest finite float8_e4m3fn value: P̃ ∈ [0, 1] is stored as P̃·448 and V as
 # V / (max|V[:, c]| / 448).
@@ -326,8 +329,9 @@ def sampled_mean(x: jax.Array, lengths: Optional[jax.Array] = None,
   of the ``MEAN_SAMPLES`` tokens ``⌊i·L / MEAN_SAMPLES⌋`` (``L`` the batch's
   valid length; tokens repeat when ``L`` is smaller; 0 when ``L`` is 0).
 
-  Where any fixed vector will do (the backward's K smoothing: its gradient
-  is exact for every k̄), this one reads a few tokens, not all of them.
+  Where any fixed vector will do (K smoothing, forward and backward: the
+  output and the gradient are exact for every k̄), this one reads a few
+  tokens, not all of them.
   Non-finite values count as 0 (:func:`finite_part`). ``token_axis``: where
   the tokens are (1 for ``[B, S, K, H]``); the result drops that axis.
   """
@@ -339,7 +343,14 @@ def sampled_mean(x: jax.Array, lengths: Optional[jax.Array] = None,
   shape = [1] * x.ndim
   shape[0], shape[axis] = b, MEAN_SAMPLES
   rows = jnp.take_along_axis(x, idx.reshape(shape), axis=axis)
-  mean = jnp.mean(finite_part(rows.astype(jnp.float32)), axis=axis)
+  rows = finite_part(jnp.moveaxis(rows, axis, -2).astype(jnp.float32))
+  # A pairwise sum of slices: the same additions in the same order whatever
+  # the layout, batch sharding or fusion (a reduce may be reordered).
+  n = MEAN_SAMPLES
+  while n > 1:
+    n //= 2
+    rows = rows[..., :n, :] + rows[..., n:2 * n, :]
+  mean = rows[..., 0, :] * (1.0 / MEAN_SAMPLES)
   empty = (n_len == 0).reshape((b,) + (1,) * (mean.ndim - 1))
   return jnp.where(empty, 0.0, mean)
 
@@ -464,7 +475,7 @@ def quantize_k(k: jax.Array, config: SageConfig,
   k = k.astype(jnp.float32)
   k_mean = None
   if config.smooth_k:
-    k_mean = token_mean(k, lengths)
+    k_mean = sampled_mean(k, lengths)
     k = k - k_mean[..., None, :]
   k = _pad_tokens(zero_padding(k, lengths), config.block_k)
   if config.qk_dtype == "int4":

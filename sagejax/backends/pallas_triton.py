@@ -140,7 +140,8 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   ``head_dim``. V is ``[B, K, S_pad, H]``, or ``[B, K, H, S_pad]`` with
   ``v_transposed`` (keys in the Mosaic kernel's order with
   ``v_wgmma_key_order``), stored as ``v_store_dtype`` (default: the config's
-  P·V operand type). XLA computes the reductions over all tokens.
+  P·V operand type). K's smoothing mean is sampled
+  (:func:`sagejax.quant.sampled_mean`); V's reductions are one pass over V.
   ``quantize_q=False`` leaves Q to the attention kernel (``Prepared.q_raw``).
   """
   b, n, t, h, kh, s = call.dims
@@ -154,13 +155,18 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   q_lengths = quant.valid_lengths(call.q_lengths, b, t)
   kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
 
-  # Reductions over all tokens: one pass over K and V (V's max of the
-  # centred values needs V's mean first: XLA then).
+  # K's smoothing mean from sampled tokens (quant.sampled_mean, XLA); V's
+  # reductions over all tokens in one pass over V (V's max of the centred
+  # values needs V's mean first: XLA then).
   fp8 = config.pv_dtype == "fp8_e4m3"
-  k_mean, v_mean, v_amax = triton_quantize.token_statistics(
-      k, v, kv_lengths, layout=layout, k_mean=config.smooth_k,
-      v_mean=config.smooth_v, v_amax=fp8 and not config.smooth_v,
-      interpret=interpret)
+  k_mean = v_mean = v_amax = None
+  if config.smooth_k:
+    k_mean = quant.sampled_mean(k, kv_lengths, token_axis=s_ax)
+  if config.smooth_v or fp8:
+    _, v_mean, v_amax = triton_quantize.token_statistics(
+        k, v, kv_lengths, layout=layout, k_mean=False,
+        v_mean=config.smooth_v, v_amax=fp8 and not config.smooth_v,
+        interpret=interpret)
   if fp8:
     if v_amax is None:
       centred = to_canonical(v, layout).astype(jnp.float32)

@@ -5,10 +5,11 @@ caller's layout (``[B, T, N, H]`` or ``[B, N, T, H]``), and writes the
 quantized block in the layout the attention kernel reads. The math is
 :mod:`sagejax.quant`'s, and so is the group layout: the kernels call
 :func:`sagejax.quant.group_max` on their block of rows, never re-deriving
-it. Reductions over *all* tokens (K's and V's means, V's per-channel max) are
-made first by :func:`token_statistics` (one pass over K and V in their own
-layout, per-block partials that XLA finishes) and passed in. Non-finite
-inputs follow
+it. Reductions over *all* tokens (V's mean and per-channel max; K's mean
+too if asked, though the backends take it from sampled tokens,
+:func:`sagejax.quant.sampled_mean`) are made first by
+:func:`token_statistics` (one pass in the inputs' layout, per-block partials
+that XLA finishes) and passed in. Non-finite inputs follow
 :mod:`sagejax.quant`'s rules (NaN scales, values 0), read with comparisons
 since Triton's ``max`` ignores NaN.
 """
