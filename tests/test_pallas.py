@@ -128,7 +128,10 @@ def test_attention_kernel_matches_xla(name, mask_id):
 
   Kernel tiles equal the config blocks, so the two do the same operations
   in the same order: measured ~1e-7 relative (3e-5 with BF16 P·V, whose
-  block products the interpreter rounds differently).
+  block products the interpreter rounds differently). Not quite the same:
+  ΔS and the row scale meet the scores in another order, so a last-bit
+  difference can flip one P̃ element's FP8 rounding in a row (INT4 with
+  smoothed Q: 2 of 90 inputs, one row each, rel L2 up to 6.7e-4).
   """
   config = SMALL[name]
   masks = MASKS[mask_id]
@@ -148,7 +151,9 @@ def test_attention_kernel_matches_xla(name, mask_id):
       int4=config.qk_dtype == "int4", tiling=TILING, interpret=True)
   got, got_lse = got[:, :, :t], got_lse[:, :, :t]
   err = testing.error_metrics(got, want)["rel_l2"]
-  assert err < 1e-4, err
+  assert err < 1e-3, err
+  rows_apart = np.abs(np.asarray(got) - np.asarray(want)).max(-1) > 1e-4
+  assert rows_apart.mean() < 0.01, (err, np.argwhere(rows_apart))
   finite = np.isfinite(np.asarray(want_lse))
   np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), finite)
   np.testing.assert_allclose(np.asarray(got_lse)[finite],
