@@ -79,13 +79,11 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
 
 
 def smoothed(x: jax.Array, lengths: jax.Array, layout: str, head_dim: int,
-             size: int, interpret: bool = False
-             ) -> tuple[jax.Array, jax.Array]:
+             size: int) -> tuple[jax.Array, jax.Array]:
   """K or V minus a mean of its valid tokens (:func:`sagejax.quant.
   sampled_mean`: the backward is exact for any fixed vector, and this one
   reads a few tokens), in its dtype and layout, padded to ``head_dim`` and
   ``size`` tokens; and the f32 mean ``[B, K, head_dim]``."""
-  del interpret  # XLA's
   t_ax = 1 if layout == "BTNH" else 2
   x = pad_axis(pad_axis(x, 3, head_dim), t_ax, size)
   mean = quant.sampled_mean(x, lengths, token_axis=t_ax)
@@ -359,8 +357,7 @@ class _PallasTritonBackend:
     q_lengths = quant.valid_lengths(call.q_lengths, b, t)
     kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
     # K smoothed (K − k̄) in its dtype; lse₂ of the smoothed logits.
-    kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad,
-                          interpret=self.interpret)
+    kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
     shift = quant.lse_shift(
         quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
         k_mean[..., :h], call.sm_scale)
