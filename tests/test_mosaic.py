@@ -9,6 +9,7 @@ compilation needs the GPU. Mosaic GPU's interpreter cannot run this kernel
 GPU tests (marked ``gpu``) against the ``"xla"`` oracle and exact attention.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -551,8 +552,48 @@ def test_backward_lowers_for_cuda(layout, h, masks, saved, fused_dq):
     assert "cp.reduce.async.bulk.tensor" in text
 
 
+@pytest.mark.parametrize("h,layout", [(64, "BNTH"), (128, "BTNH")])
+def test_backward_dq_turns_lowers_for_cuda(h, layout):
+  """With the consumers taking turns on dQ, the fused kernel lowers; the
+  producer's reduce-adds and the consumers' bare fences are in it."""
+  from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
+  q, k, v = _data(2, 300, 300, 4, 2, h, layout=layout)
+  config = PRESETS["sage2-8b"].replace(backward_stats="saved")
+  tiling = MosaicBackwardTiling(block_q=8192 // h, fused_dq=True,
+                                dq_turns=True)
+
+  def f(q, k, v, do):
+    call = _inputs.parse(q, k, v, layout=layout)
+    stats = mosaic.BACKEND.forward(call, config)
+    return mosaic.BACKEND.backward(call, config, do, None, stats, tiling)
+
+  text = jax.jit(f).trace(q, k, v, q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu_v2") == 2
+  assert "cp.reduce.async.bulk.tensor" in text
+  assert "fence.proxy.async.shared::cta" in text
+
+
+def test_default_backward_tiling_takes_dq_turns_for_uniform_h64():
+  """dq_turns (measured faster only at H=64 without masks, NOTES B14) is
+  the default there and nowhere else."""
+  def tiling(h, **kwargs):
+    q, k, v = _data(1, 256, 256, 2, 2, h)
+    call = _inputs.parse(q, k, v, **kwargs)
+    return mosaic.default_backward_tiling(h, fused_dq=True, call=call)
+
+  assert tiling(64).dq_turns
+  assert not tiling(128).dq_turns
+  assert not tiling(64, is_causal=True).dq_turns
+  assert not tiling(64, local_window_size=(16, 16)).dq_turns
+  assert not tiling(64, query_seq_lengths=jnp.array([100])).dq_turns
+  assert not mosaic.default_backward_tiling(64, fused_dq=False).dq_turns
+
+
 def test_backward_tiling_validation():
   from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
+  with pytest.raises(ValueError, match="fused_dq"):
+    MosaicBackwardTiling(dq_turns=True)
   with pytest.raises(ValueError, match="block_q"):
     MosaicBackwardTiling(block_q=32)
   with pytest.raises(ValueError, match="num_stages"):
@@ -595,6 +636,10 @@ BWD_GPU_CASES = [
     ((2, 1, 1000, 4, 2, 128), dict(), "recompute"),
     # the BF16-P·V forward on the persistent grid (default_tiling)
     ((2, 1000, 1000, 4, 2, 128), dict(), "auto"),
+    # H=64 without masks: the consumers take turns on dQ (dq_turns), across
+    # the group's heads; padded query rows
+    ((2, 2048, 2048, 8, 2, 64), dict(), "auto"),
+    ((1, 1000, 1000, 4, 4, 64), dict(layout="BNTH"), "auto"),
 ]
 
 
@@ -666,6 +711,21 @@ def test_gpu_mosaic_backward_other_dq_kernel(shape, kwargs, stats,
   monkeypatch.setattr(mosaic.BACKEND, "backward_tiling",
                       mosaic.default_backward_tiling(
                           h, fused_dq=stats == "recompute"))
+  got, want = _mosaic_grads_vs_exact(shape, kwargs, stats, "qkv_channel_bias")
+  _check_grads(got, want, SAVED_BOUND if stats == "saved" else 0.999)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("shape,kwargs,stats", [
+    BWD_GPU_CASES[i] for i in (0, 3, 5, 8)])
+def test_gpu_mosaic_backward_dq_turns(shape, kwargs, stats, monkeypatch):
+  """dq_turns where the defaults do not take it (H=128, causal, windowed,
+  lengths; after a statistics pass when recomputing), against exact
+  gradients."""
+  h = 64 if shape[-1] <= 64 else 128
+  monkeypatch.setattr(mosaic.BACKEND, "backward_tiling", dataclasses.replace(
+      mosaic.default_backward_tiling(h, fused_dq=True), dq_turns=True))
   got, want = _mosaic_grads_vs_exact(shape, kwargs, stats, "qkv_channel_bias")
   _check_grads(got, want, SAVED_BOUND if stats == "saved" else 0.999)
 

@@ -29,7 +29,9 @@ run BF16/FP16 ``wgmma`` with FP32 accumulators:
 * Or, with ``MosaicBackwardTiling.fused_dq``, dQ in the dK/dV kernel: the
   consumers put their dSᵀ rows in shared memory and each adds one 64 × 64
   half of the step's dS·K into an FP32 dQ by TMA reduce-add (given only an
-  estimate of lse₂, a statistics-only pass of the dQ kernel runs first).
+  estimate of lse₂, a statistics-only pass of the dQ kernel runs first);
+  with ``dq_turns`` they take turns making both halves and the producer
+  adds them.
 
 Every operand is read in the caller's layout (``[B, T, N, H]`` or ``[B, N,
 T, H]``) in place by TMA, and dQ, dK, dV are written in it.
@@ -73,6 +75,15 @@ class MosaicBackwardTiling:
       consumer computes one 64 × 64 half of a step's dQ tile). Off: dQ has
       its own kernel, which also makes the exact statistics — measured
       faster on an H100 (benchmarks/NOTES.md, B7).
+    dq_turns: with ``fused_dq``, the consumers take turns making a step's
+      whole dQ tile (both halves of ``dS·K``, after their dV and dK
+      products), store it, fence and arrive on a barrier; the producer
+      issues the TMA reduce-adds and hands the buffer on (cuDNN's
+      arrangement, read off its kernel with Nsight Compute). Each consumer
+      then has dQ's products and epilogue every other step, and no
+      warpgroup barrier or TMA issue of its own. Measured faster at H=64
+      without masks, slower at H=128 and under a causal mask
+      (benchmarks/NOTES.md, B14-B15).
   """
 
   block_q: int = 64
@@ -81,6 +92,7 @@ class MosaicBackwardTiling:
   consumer_registers: int = 240
   producer_registers: int = 24
   fused_dq: bool = False
+  dq_turns: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_kv"):
@@ -92,10 +104,28 @@ class MosaicBackwardTiling:
                        f"{self.num_stages!r}.")
     check_registers("MosaicBackwardTiling", self.consumer_registers,
                     self.producer_registers)
+    if self.dq_turns and not self.fused_dq:
+      raise ValueError("MosaicBackwardTiling(dq_turns=True) needs "
+                       "fused_dq=True (only the fused kernel adds into dQ).")
 
 
 def _zeros(*shape: int, layout=plgpu.Layout.WGMMA) -> jax.Array:
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
+
+
+def _fence_async_shared() -> None:
+  """This thread's shared-memory writes made visible to the async proxy
+  (TMA, wgmma): ``commit_smem`` without its warpgroup barrier, for threads
+  that then arrive on an mbarrier their reader waits on."""
+  @plgpu.inline_mgpu()
+  def fence(_):
+    from jax._src.lib.mlir import ir  # lowering-time only
+    from jax._src.lib.mlir.dialects import llvm
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
+                    "fence.proxy.async.shared::cta;", "",
+                    has_side_effects=True)
+
+  fence()
 
 
 def _two_products(first, second, cols: int):
@@ -209,6 +239,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
   dtype = q.dtype
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   fused = dq_acc is not None
+  turns = fused and tiling.dq_turns
   # The dQ tile [bq, H] of a step is two 64 x 64 halves, one per consumer:
   # split along H (bq = 64) or along the rows (H = 64, bq = 128).
   split_cols = h == 2 * ROWS
@@ -232,6 +263,19 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
                           num_q_blocks, False)
     lo, hi = blocks[0], blocks[3]
     per_head = hi - lo
+    if turns:  # a consumer's dQ tile stored / added by the producer
+      dq_ready, dq_free = scratch[1][5:7]
+
+    def dq_window(gi, i, part):
+      """Half ``part`` (a Python int or a consumer index) of the dQ tile of
+      query block ``i`` of the group's head ``gi``."""
+      head = kv_head * g + gi
+      if split_cols:
+        cols = (pl.ds(part * ROWS, ROWS) if isinstance(part, int)
+                else pl.ds(pl.multiple_of(part * ROWS, ROWS), ROWS))
+        return tile_rows(dq_ref, layout, batch, head, i * bq, bq).at[:, cols]
+      return tile_rows(dq_ref, layout, batch, head, i * bq + part * ROWS,
+                       ROWS)
 
     @pl.when(wg < 2)
     def _consumer():
@@ -246,7 +290,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
       plgpu.barrier_wait(kv_bar.at[wg])
 
       if fused:
-        ds_smem, dq_smem = scratch[0][6:]
+        ds_smem, dq_smem = scratch[0][6:8]
         ds_bar = scratch[1][3]
         half = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
 
@@ -288,24 +332,56 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
               plgpu.wgmma(refs[2],
                           ds_smem.at[buf, :, half].transpose((1, 0)), k_smem)
 
+        if turns:
+          return dq_turn(n_step, slot, buf, p_t, ds_t, dk, dv)
         accs = (plgpu.ACC.init(dv), plgpu.ACC.init(dk))
         if fused:
           accs += (plgpu.ACC.init(_zeros(ROWS, ROWS)),)
         out = pl.run_state(grads)(accs)
         plgpu.barrier_arrive(free.at[slot])
         if fused:  # add the dQ half into dq_ref (TMA reduce-add)
-          head = kv_head * g + gi
-          if split_cols:
-            window = tile_rows(dq_ref, layout, batch, head, i * bq, bq).at[
-                :, half]
-          else:
-            window = tile_rows(dq_ref, layout, batch, head,
-                               i * bq + wg * ROWS, ROWS)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           dq_smem.at[wg][...] = out[2]
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(dq_smem.at[wg], window, reduction_op="add")
+          plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_window(gi, i, wg),
+                                  reduction_op="add")
         return out[1], out[0]
+
+      def dq_turn(n_step, slot, buf, p_t, ds_t, dk, dv):
+        """dV += Pᵀ·dO and dK += dSᵀ·Q; then, on this consumer's turn, the
+        step's whole dQ tile, half by half, for the producer to add."""
+        def grads(refs):
+          plgpu.wgmma(refs[0], p_t.astype(dtype), do_smem.at[slot])
+          plgpu.wgmma(refs[1], ds_t, q_smem.at[slot])
+
+        dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv),
+                                      plgpu.ACC.init(dk)))
+        plgpu.barrier_arrive(free.at[slot])
+        plgpu.barrier_wait(ds_bar.at[buf])  # the other's dSᵀ rows too
+
+        @pl.when(lax.rem(n_step, jnp.int32(2)) == wg)
+        def _():
+          @pl.when(n_step > 0)  # the last tile's adds have read the buffer
+          def _():
+            plgpu.barrier_wait(dq_free.at[wg])
+
+          for part in range(2):  # one 64 x 64 accumulator at a time
+            cols = pl.ds(part * ROWS, ROWS)
+
+            def product(ref, cols=cols):
+              if split_cols:  # dQ[:, part] = dS · K[:, part]
+                plgpu.wgmma(ref, ds_smem.at[buf].transpose((1, 0)),
+                            k_smem.at[:, cols])
+              else:  # dQ[part] = dS[part] · K
+                plgpu.wgmma(ref, ds_smem.at[buf, :, cols].transpose((1, 0)),
+                            k_smem)
+
+            dq_smem.at[part][...] = pl.run_state(product)(
+                plgpu.ACC.init(_zeros(ROWS, ROWS)))
+          _fence_async_shared()
+          plgpu.barrier_arrive(dq_ready.at[wg])
+
+        return dk, dv
 
       def head(gi, carry):
         return visit_blocks(blocks, functools.partial(step, gi=gi), carry)
@@ -328,8 +404,21 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
     def _producer():
       plgpu.set_max_registers(tiling.producer_registers, action="decrease")
       per = jnp.maximum(per_head, 1)
+      total = g * per_head
 
-      @pl.loop(0, g * per_head)
+      def add_dq(step):
+        """Adds the dQ tile of ``step`` (stored by that step's consumer)
+        into dq_ref, then hands the buffer to the next step's consumer."""
+        gi, i = lax.div(step, per), lo + lax.rem(step, per)
+        turn = lax.rem(step, jnp.int32(2))
+        plgpu.barrier_wait(dq_ready.at[turn])
+        for part in range(2):
+          plgpu.copy_smem_to_gmem(scratch[0][7].at[part],
+                                  dq_window(gi, i, part), reduction_op="add")
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.barrier_arrive(dq_free.at[1 - turn])
+
+      @pl.loop(0, total)
       def _(step):
         slot = lax.rem(step, jnp.int32(stages))
         head = kv_head * g + lax.div(step, per)
@@ -350,6 +439,19 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
             tile_rows(do_ref, layout, batch, head, q0, bq),
             do_smem.at[slot], bar)
 
+        if turns:  # after the loads, which wait on no dQ
+          @pl.when(step >= stages)
+          def _():
+            add_dq(step - stages)
+
+      if turns:  # the last steps' dQ tiles
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _(step):
+          plgpu.barrier_wait(free.at[lax.rem(step, jnp.int32(stages))])
+          add_dq(step)
+
+        plgpu.wait_smem_to_gmem(0)
+
   def entry(*refs):
     smem = (
         wgmma_smem((2 * ROWS, h), dtype),
@@ -367,6 +469,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
                wgmma_smem((2, ROWS, ROWS), jnp.float32))  # dQ halves
       barriers += (plgpu.Barrier(num_arrivals=2, num_barriers=2),  # dSᵀ
                    plgpu.Barrier(num_arrivals=2))  # both consumers done
+    if turns:  # per consumer: its dQ tile stored; the buffer free for it
+      barriers += (plgpu.Barrier(num_arrivals=1, num_barriers=2),) * 2
     pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers,
                   collective_axes="wg")
 

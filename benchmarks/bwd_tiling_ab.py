@@ -1,0 +1,123 @@
+"""Mosaic backward tilings side by side in one process.
+
+  PYTHONPATH=$PWD python benchmarks/bwd_tiling_ab.py \
+      --variants "turns:dq_turns=1;..." [--out DIR]
+
+Each variant replaces fields of the default fused backward tiling
+(``mosaic.default_backward_tiling(h, fused_dq=True)``; "base" is the
+default itself). First the gradients of ``sagejax.attention`` under each
+variant against exact FP32 attention (cosine of dQ, dK, dV; fresh data),
+then training steps (``value_and_grad`` of sum(out·dO), B=2, N=32, bf16)
+beside cuDNN's, the variants alternating over repeats (median ms).
+"""
+import argparse
+import dataclasses, json, os, sys, time
+import jax, jax.numpy as jnp, numpy as np
+import sagejax
+from sagejax import testing
+from sagejax.backends import mosaic
+from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
+
+OUT = os.environ.get("OUT", ".")
+VARIANTS = {"base": {}}
+
+def tiling_for(h, name):
+  base = mosaic.default_backward_tiling(h, fused_dq=True)
+  return dataclasses.replace(base, **VARIANTS[name])
+
+def make_step(h, name, causal):
+  def loss(q, k, v, do):
+    o = sagejax.attention(q, k, v, is_causal=causal)
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+  return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+
+def cudnn_step(causal):
+  def loss(q, k, v, do):
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+  return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+
+def exact_grads(q, k, v, do, causal):
+  def loss(q, k, v):
+    o = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                     v.astype(jnp.float32), is_causal=causal)
+    return jnp.sum(o * do.astype(jnp.float32))
+  return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+
+def cos(a, b):
+  a = np.asarray(a, np.float64).ravel(); b = np.asarray(b, np.float64).ravel()
+  return float(a @ b / np.sqrt((a @ a) * (b @ b)))
+
+def compiled(h, name, causal, args):
+  old = mosaic.BACKEND.backward_tiling
+  mosaic.BACKEND.backward_tiling = tiling_for(h, name)
+  try:
+    f = make_step(h, name, causal)
+    jax.block_until_ready(f(*args))
+  finally:
+    mosaic.BACKEND.backward_tiling = old
+  return f
+
+def main():
+  rows = []
+  # 1. accuracy vs exact (fresh data per case), each variant
+  for kind, causal, shape in [("normal", False, (1, 2048, 8, 8, 128)), ("qkv_channel_bias", False, (1, 2048, 8, 8, 128)),
+                              ("channel_bias", False, (2, 1000, 8, 2, 128)), ("normal", False, (1, 1000, 4, 4, 64)),
+                              ("qkv_channel_bias", True, (1, 2048, 8, 8, 128))]:
+    b, t, n, kh, h = shape
+    q, k, v = testing.make_qkv(jax.random.key(int(time.time()) % 1000), b, t, t, n, kh, h, kind, jnp.bfloat16)
+    do = jax.random.normal(jax.random.key(7), q.shape, jnp.bfloat16)
+    ref = exact_grads(q, k, v, do, causal)
+    for name in VARIANTS:
+      try:
+        g = compiled(h, name, causal, (q, k, v, do))(q, k, v, do)[1]
+        cs = [cos(x, y) for x, y in zip(g, ref)]
+        nan = any(bool(jnp.isnan(x).any()) for x in g)
+        print(f"acc {kind:16s} causal={causal} {shape} {name:6s} cos dq/dk/dv {cs[0]:.6f} {cs[1]:.6f} {cs[2]:.6f} nan={nan}", flush=True)
+        rows.append(dict(what="acc", kind=kind, causal=causal, shape=shape, variant=name, cos=cs, nan=nan))
+      except Exception as e:
+        print("acc", name, type(e).__name__, str(e)[:300], flush=True)
+
+  # 2. speed, alternating
+  def timeit(f, args, n=20):
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    for _ in range(n):
+      r = f(*args)
+    jax.block_until_ready(r)
+    return (time.perf_counter() - t0) / n * 1e3
+
+  for h, s, causal, kh in [(128, 4096, False, 32), (128, 8192, False, 32), (128, 16384, False, 32),
+                           (64, 4096, False, 32), (64, 16384, False, 32), (128, 4096, False, 8)]:
+    b, n = 2, 32
+    q, k, v = testing.make_qkv(jax.random.key(1), b, s, s, n, kh, h, "normal", jnp.bfloat16)
+    do = jax.random.normal(jax.random.key(2), q.shape, jnp.bfloat16)
+    args = (q, k, v, do)
+    fns = {"cudnn": cudnn_step(causal)}
+    for name in VARIANTS:
+      try:
+        fns[name] = compiled(h, name, causal, args)
+      except Exception as e:
+        print("compile", name, type(e).__name__, str(e)[:300], flush=True)
+    times = {name: [] for name in fns}
+    for rep in range(5):
+      for name, f in fns.items():
+        times[name].append(timeit(f, args, 10 if s > 8192 else 20))
+    med = {name: float(np.median(ts)) for name, ts in times.items()}
+    line = " ".join(f"{name} {ms:.3f} ms ({med['cudnn'] / ms:.3f}x)" for name, ms in med.items())
+    print(f"speed H={h} S={s} causal={causal} kv_heads={kh}: {line}", flush=True)
+    rows.append(dict(what="speed", h=h, s=s, causal=causal, times=times, median=med))
+  json.dump(rows, open(f"{OUT}/bwd_ab.json", "w"), indent=1)
+
+
+if __name__ == "__main__":
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--variants", default="turns:dq_turns=1")
+  p.add_argument("--out", default=OUT)
+  args = p.parse_args()
+  OUT = args.out
+  for item in filter(None, args.variants.split(";")):
+    name, _, fields = item.partition(":")
+    VARIANTS[name] = {k: int(v) for k, v in
+                      (f.split("=") for f in fields.split(",") if f)}
+  main()
