@@ -79,19 +79,17 @@ def uniform_tiles(call: ParsedCall) -> bool:
           and call.mask is None and call.bias is None)
 
 
-def default_backward_tiling(head_dim: int, fused_dq: bool = False,
-                            call: Optional[ParsedCall] = None
+def default_backward_tiling(head_dim: int, fused_dq: bool = False
                             ) -> MosaicBackwardTiling:
   """Backward tiles by head dim (benchmarks/NOTES.md, B5 and B7); with
   ``fused_dq`` the dK/dV kernel's query tile is 8192 / H rows (each
-  consumer owns a 64 x 64 half of the dQ tile), and at H=64 a ``call``
-  whose query tiles all see every key (:func:`uniform_tiles`) has the
-  consumers take turns making dQ (``dq_turns``; B14, H100: training step
-  −5% at 4k, −4% at 16k; at H=128 +0-6%, causal +9-17%)."""
+  consumer owns a 64 x 64 half of the dQ tile), and at H=64 the consumers
+  take turns making dQ (``dq_turns``; B15, H100 training step: −5% at 4k
+  and 16k, −6% causal, −1-2% GQA 32/8; at H=128 it measured 0 to +6%, +9-17%
+  causal, so not there)."""
   if fused_dq:
-    turns = head_dim <= 64 and call is not None and uniform_tiles(call)
     return MosaicBackwardTiling(block_q=8192 // head_dim, fused_dq=True,
-                                dq_turns=turns)
+                                dq_turns=head_dim <= 64)
   return MosaicBackwardTiling()
 
 
@@ -243,7 +241,7 @@ class _MosaicBackend:
     # δ from the saved output: dQ is accumulated in the dK/dV kernel (one
     # kernel of 5 products); else the dQ kernel also makes the statistics.
     tiling = tiling or self.backward_tiling or default_backward_tiling(
-        hp, fused_dq=out is not None, call=call)
+        hp, fused_dq=out is not None)
     unit = 2 * mosaic_backward.ROWS  # a multiple of every tile
     t_pad, s_pad = -(-t // unit) * unit, -(-s // unit) * unit
     layout = call.layout

@@ -82,7 +82,7 @@ class MosaicBackwardTiling:
       arrangement, read off its kernel with Nsight Compute). Each consumer
       then has dQ's products and epilogue every other step, and no
       warpgroup barrier or TMA issue of its own. Measured faster at H=64
-      without masks, slower at H=128 and under a causal mask
+      (causal too) and slower at H=128, most under a causal mask
       (benchmarks/NOTES.md, B14-B15).
   """
 
