@@ -58,14 +58,19 @@ def _number(x: str) -> float:
     return 0.0
 
 
-def summarize(path: str, top: int = 40) -> None:
-  """Stall samples by opcode and by reason, and the top instructions, from
-  ``ncu --import R --page source --print-source sass --csv``."""
+def _source_rows(path: str):
   with open(path, newline="") as f:
     rows = list(csv.reader(f))
   header_at = next(i for i, r in enumerate(rows) if "Source" in r)
   header = rows[header_at]
   body = [r for r in rows[header_at + 1:] if len(r) == len(header)]
+  return header, body
+
+
+def summarize(path: str, top: int = 40) -> None:
+  """Stall samples by opcode and by reason, and the top instructions, from
+  ``ncu --import R --page source --print-source sass --csv``."""
+  header, body = _source_rows(path)
   col = {name: i for i, name in enumerate(header)}
   samples = next(c for c in header if c.startswith("Warp Stall Sampling (All"))
   reasons = [c for c in header if c.startswith("stall_") or
@@ -96,15 +101,6 @@ def summarize(path: str, top: int = 40) -> None:
                     if n)
     print(f"  {r[col.get('Address', 0)]:>6s} {100 * _number(r[col[samples]]) / total:5.1f}%"
           f"  {r[col['Source']][:60]:60s} {why}")
-
-
-def _source_rows(path: str):
-  with open(path, newline="") as f:
-    rows = list(csv.reader(f))
-  header_at = next(i for i, r in enumerate(rows) if "Source" in r)
-  header = rows[header_at]
-  body = [r for r in rows[header_at + 1:] if len(r) == len(header)]
-  return header, body
 
 
 def phases(path: str, count: int, cuts: list[int]) -> None:

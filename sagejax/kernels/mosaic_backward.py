@@ -263,6 +263,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
                           num_q_blocks, False)
     lo, hi = blocks[0], blocks[3]
     per_head = hi - lo
+    if fused:  # dSᵀ of two steps; the dQ halves on their way to dq_ref
+      ds_smem, dq_smem = scratch[0][6:8]
     if turns:  # a consumer's dQ tile stored / added by the producer
       dq_ready, dq_free = scratch[1][5:7]
 
@@ -290,7 +292,6 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
       plgpu.barrier_wait(kv_bar.at[wg])
 
       if fused:
-        ds_smem, dq_smem = scratch[0][6:8]
         ds_bar = scratch[1][3]
         half = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
 
@@ -322,7 +323,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
         def grads(refs):  # dV += Pᵀ·dO, dK += dSᵀ·Q (and this half of dS·K)
           plgpu.wgmma(refs[0], p_t.astype(dtype), do_smem.at[slot])
           plgpu.wgmma(refs[1], ds_t, q_smem.at[slot])
-          if fused:
+          if fused and not turns:
             plgpu.barrier_wait(ds_bar.at[buf])
             if split_cols:  # dQ[:, half] = dS · K[:, half]
               plgpu.wgmma(refs[2],
@@ -333,7 +334,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
                           ds_smem.at[buf, :, half].transpose((1, 0)), k_smem)
 
         if turns:
-          return dq_turn(n_step, slot, buf, p_t, ds_t, dk, dv)
+          return dq_turn(n_step, slot, buf, grads, dk, dv)
         accs = (plgpu.ACC.init(dv), plgpu.ACC.init(dk))
         if fused:
           accs += (plgpu.ACC.init(_zeros(ROWS, ROWS)),)
@@ -347,13 +348,9 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
                                   reduction_op="add")
         return out[1], out[0]
 
-      def dq_turn(n_step, slot, buf, p_t, ds_t, dk, dv):
-        """dV += Pᵀ·dO and dK += dSᵀ·Q; then, on this consumer's turn, the
-        step's whole dQ tile, half by half, for the producer to add."""
-        def grads(refs):
-          plgpu.wgmma(refs[0], p_t.astype(dtype), do_smem.at[slot])
-          plgpu.wgmma(refs[1], ds_t, q_smem.at[slot])
-
+      def dq_turn(n_step, slot, buf, grads, dk, dv):
+        """dV and dK by ``grads``; then, on this consumer's turn, the step's
+        whole dQ tile, half by half, for the producer to add."""
         dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv),
                                       plgpu.ACC.init(dk)))
         plgpu.barrier_arrive(free.at[slot])
@@ -413,7 +410,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
         turn = lax.rem(step, jnp.int32(2))
         plgpu.barrier_wait(dq_ready.at[turn])
         for part in range(2):
-          plgpu.copy_smem_to_gmem(scratch[0][7].at[part],
+          plgpu.copy_smem_to_gmem(dq_smem.at[part],
                                   dq_window(gi, i, part), reduction_op="add")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.barrier_arrive(dq_free.at[1 - turn])
