@@ -8,7 +8,8 @@ Each variant replaces fields of the default fused backward tiling
 default itself). First the gradients of ``sagejax.attention`` under each
 variant against exact FP32 attention (cosine of dQ, dK, dV; fresh data),
 then training steps (``value_and_grad`` of sum(out·dO), B=2, N=32, bf16)
-beside cuDNN's, the variants alternating over repeats (median ms).
+beside cuDNN's, the variants alternating over repeats, each repeat starting
+at another one (median ms).
 """
 import argparse
 import dataclasses, json, os, sys, time
@@ -98,14 +99,17 @@ def main():
     args = (q, k, v, do)
     fns = {"cudnn": cudnn_step(causal)}
     for name in VARIANTS:
+      print(f"compile H={h} S={s} causal={causal} {name}", flush=True)
       try:
         fns[name] = compiled(h, name, causal, args)
       except Exception as e:
         print("compile", name, type(e).__name__, str(e)[:300], flush=True)
     times = {name: [] for name in fns}
-    for rep in range(5):
-      for name, f in fns.items():
-        times[name].append(timeit(f, args, 10 if s > 8192 else 20))
+    names = list(fns)
+    for rep in range(5):  # each repeat in another order: a step timed
+      # right after cuDNN's, or last in a cycle, measured slow (NOTES B16)
+      for name in names[rep % len(names):] + names[:rep % len(names)]:
+        times[name].append(timeit(fns[name], args, 10 if s > 8192 else 20))
     med = {name: float(np.median(ts)) for name, ts in times.items()}
     line = " ".join(f"{name} {ms:.3f} ms ({med['cudnn'] / ms:.3f}x)" for name, ms in med.items())
     print(f"speed H={h} S={s} causal={causal} kv_heads={kh}: {line}", flush=True)

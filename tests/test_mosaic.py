@@ -574,12 +574,45 @@ def test_backward_dq_turns_lowers_for_cuda(h, layout):
   assert "fence.proxy.async.shared::cta" in text
 
 
-def test_default_backward_tiling_takes_dq_turns_at_h64():
-  """dq_turns (measured faster at H=64, causal or not, and slower at H=128:
-  NOTES B15) is the fused kernel's default at H=64 only."""
-  assert mosaic.default_backward_tiling(64, fused_dq=True).dq_turns
-  assert not mosaic.default_backward_tiling(128, fused_dq=True).dq_turns
-  assert not mosaic.default_backward_tiling(64, fused_dq=False).dq_turns
+@pytest.mark.parametrize("h,layout,causal,turns", [
+    (128, "BTNH", True, False), (128, "BNTH", False, True),
+    (64, "BNTH", True, True)])
+def test_backward_static_consumers_lowers_for_cuda(h, layout, causal, turns):
+  """With a copy of the consumer code per warpgroup (static_consumers), the
+  fused kernel lowers, with or without dq_turns, to another program than
+  the shared code's."""
+  from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
+  q, k, v = _data(2, 300, 300, 4, 2, h, layout=layout)
+  config = PRESETS["sage2-8b"].replace(backward_stats="saved")
+
+  def lowered(static):
+    tiling = MosaicBackwardTiling(block_q=8192 // h, fused_dq=True,
+                                  dq_turns=turns, static_consumers=static)
+
+    def f(q, k, v, do):
+      call = _inputs.parse(q, k, v, layout=layout, is_causal=causal)
+      stats = mosaic.BACKEND.forward(call, config)
+      return mosaic.BACKEND.backward(call, config, do, None, stats, tiling)
+
+    return jax.jit(f).trace(q, k, v, q).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+  text = lowered(True)
+  assert text.count("mosaic_gpu_v2") == 2
+  assert "cp.reduce.async.bulk.tensor" in text
+  assert text != lowered(False)
+
+
+def test_default_backward_tiling_by_head_dim():
+  """The fused kernel's defaults (NOTES B15, B16): dq_turns at H=64 only
+  (faster there, causal or not; slower at H=128), a copy of the consumer
+  code per warpgroup above H=64 only (faster there; slower with turns)."""
+  h64 = mosaic.default_backward_tiling(64, fused_dq=True)
+  h128 = mosaic.default_backward_tiling(128, fused_dq=True)
+  assert h64.dq_turns and not h64.static_consumers
+  assert h128.static_consumers and not h128.dq_turns
+  unfused = mosaic.default_backward_tiling(64, fused_dq=False)
+  assert not unfused.dq_turns and not unfused.static_consumers
 
 
 def test_backward_tiling_validation():

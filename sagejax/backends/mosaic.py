@@ -86,10 +86,14 @@ def default_backward_tiling(head_dim: int, fused_dq: bool = False
   consumer owns a 64 x 64 half of the dQ tile), and at H=64 the consumers
   take turns making dQ (``dq_turns``; B15, H100 training step: −5% at 4k
   and 16k, −6% causal, −1-2% GQA 32/8; at H=128 it measured 0 to +6%, +9-17%
-  causal, so not there)."""
+  causal, so not there); above H=64 each consumer has its own copy of the
+  code (``static_consumers``; B16, H100 training step, timed in rotated
+  order: −1.5% at 4k, −2% 4k causal, −3% GQA 32/8, −6% at 16k; slower with
+  turns, so not at H=64)."""
   if fused_dq:
     return MosaicBackwardTiling(block_q=8192 // head_dim, fused_dq=True,
-                                dq_turns=head_dim <= 64)
+                                dq_turns=head_dim <= 64,
+                                static_consumers=head_dim > 64)
   return MosaicBackwardTiling()
 
 

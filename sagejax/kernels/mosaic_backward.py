@@ -84,6 +84,11 @@ class MosaicBackwardTiling:
       warpgroup barrier or TMA issue of its own. Measured faster at H=64
       (causal too) and slower at H=128, most under a causal mask
       (benchmarks/NOTES.md, B14-B15).
+    static_consumers: trace the consumer code once per consumer warpgroup,
+      its index a constant (the shared-memory addresses of its K/V rows and
+      dQ half fold into constants), instead of once with the index read at
+      run time. Twice the code; measured faster at H=128 without
+      ``dq_turns`` and slower with it at H=64 (benchmarks/NOTES.md, B16).
   """
 
   block_q: int = 64
@@ -93,6 +98,7 @@ class MosaicBackwardTiling:
   producer_registers: int = 24
   fused_dq: bool = False
   dq_turns: bool = False
+  static_consumers: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_kv"):
@@ -279,11 +285,15 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
       return tile_rows(dq_ref, layout, batch, head, i * bq + part * ROWS,
                        ROWS)
 
-    @pl.when(wg < 2)
-    def _consumer():
+    def rows_of(wg):  # consumer wg's 64 keys, or its half of a dQ tile
+      if isinstance(wg, int):
+        return pl.ds(wg * ROWS, ROWS)
+      return pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
+
+    def _consumer(wg):
       plgpu.set_max_registers(tiling.consumer_registers, action="increase")
       k0 = cta_first + wg * ROWS
-      own = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this wg's keys
+      own = rows_of(wg)  # this wg's keys
       k_own, v_own = k_smem.at[own], v_smem.at[own]
       plgpu.copy_gmem_to_smem(tile_rows(k_ref, layout, batch, kv_head, k0,
                                         ROWS), k_own, kv_bar.at[wg])
@@ -293,7 +303,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
 
       if fused:
         ds_bar = scratch[1][3]
-        half = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
+        half = rows_of(wg)
 
       def step(i, carry, masked: bool, gi):
         dk, dv = carry
@@ -396,6 +406,12 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
       plgpu.copy_smem_to_gmem(
           v_own, tile_rows(dv_ref, layout, batch, kv_head, k0, ROWS))
       plgpu.wait_smem_to_gmem(0)
+
+    if tiling.static_consumers:  # one copy of the code per consumer
+      for consumer in range(2):
+        pl.when(wg == consumer)(functools.partial(_consumer, consumer))
+    else:
+      pl.when(wg < 2)(functools.partial(_consumer, wg))
 
     @pl.when(wg == 2)
     def _producer():
