@@ -84,11 +84,11 @@ class MosaicBackwardTiling:
       warpgroup barrier or TMA issue of its own. Measured faster at H=64
       (causal too) and slower at H=128, most under a causal mask
       (benchmarks/NOTES.md, B14-B15).
-    static_consumers: trace the consumer code once per consumer warpgroup,
-      its index a constant (the shared-memory addresses of its K/V rows and
-      dQ half fold into constants), instead of once with the index read at
-      run time. Twice the code; measured faster at H=128 without
-      ``dq_turns`` and slower with it at H=64 (benchmarks/NOTES.md, B16).
+    static_consumers: dK/dV kernel: trace the consumer code once per
+      consumer warpgroup, its index a constant (the shared-memory addresses
+      of its K/V rows and dQ half fold into constants), instead of once with
+      the index read at run time. Twice the code; measured faster at H=128
+      and slower wherever ``dq_turns`` is on (benchmarks/NOTES.md, B16).
   """
 
   block_q: int = 64
