@@ -8,8 +8,8 @@ Each variant replaces fields of the default fused backward tiling
 default itself). First the gradients of ``sagejax.attention`` under each
 variant against exact FP32 attention (cosine of dQ, dK, dV; fresh data),
 then training steps (``value_and_grad`` of sum(out·dO), B=2, N=32, bf16)
-beside cuDNN's, the variants alternating over repeats, each repeat starting
-at another one (median ms).
+beside cuDNN's, in short blocks of calls, the variants in turn, each round
+starting at another one (median ms per call over the blocks).
 """
 import argparse
 import dataclasses, json, os, sys, time
@@ -84,8 +84,7 @@ def main():
         print("acc", name, type(e).__name__, str(e)[:300], flush=True)
 
   # 2. speed, alternating
-  def timeit(f, args, n=20):
-    jax.block_until_ready(f(*args))
+  def timeit(f, args, n):  # the previous block has been waited for
     t0 = time.perf_counter()
     for _ in range(n):
       r = f(*args)
@@ -104,12 +103,18 @@ def main():
         fns[name] = compiled(h, name, causal, args)
       except Exception as e:
         print("compile", name, type(e).__name__, str(e)[:300], flush=True)
+    for f in fns.values():  # warm
+      jax.block_until_ready(f(*args))
     times = {name: [] for name in fns}
     names = list(fns)
-    for rep in range(5):  # each repeat in another order: a step timed
-      # right after cuDNN's, or last in a cycle, measured slow (NOTES B16)
+    # Short blocks of calls, the variants in turn, each round starting at
+    # another: with long blocks in a fixed order, a step timed right after
+    # cuDNN's, or last in a cycle, measured slow (NOTES B16); short rotated
+    # blocks spread what came before over every variant (not yet run).
+    rounds, calls = (10, 3) if s > 8192 else (20, 5)
+    for rep in range(rounds):
       for name in names[rep % len(names):] + names[:rep % len(names)]:
-        times[name].append(timeit(fns[name], args, 10 if s > 8192 else 20))
+        times[name].append(timeit(fns[name], args, calls))
     med = {name: float(np.median(ts)) for name, ts in times.items()}
     line = " ".join(f"{name} {ms:.3f} ms ({med['cudnn'] / ms:.3f}x)" for name, ms in med.items())
     print(f"speed H={h} S={s} causal={causal} kv_heads={kh}: {line}", flush=True)
