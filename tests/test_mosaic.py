@@ -552,23 +552,29 @@ def test_backward_lowers_for_cuda(layout, h, masks, saved, fused_dq):
     assert "cp.reduce.async.bulk.tensor" in text
 
 
-@pytest.mark.parametrize("h,layout", [(64, "BNTH"), (128, "BTNH")])
-def test_backward_dq_turns_lowers_for_cuda(h, layout):
-  """With the consumers taking turns on dQ, the fused kernel lowers; the
-  producer's reduce-adds and the consumers' bare fences are in it."""
+def _fused_backward_lowered(h, layout, causal=False, **tiling_fields):
+  """The lowered program (CUDA) of a forward and the fused backward with
+  the saved statistics and ``MosaicBackwardTiling(**tiling_fields)``."""
   from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
   q, k, v = _data(2, 300, 300, 4, 2, h, layout=layout)
   config = PRESETS["sage2-8b"].replace(backward_stats="saved")
   tiling = MosaicBackwardTiling(block_q=8192 // h, fused_dq=True,
-                                dq_turns=True)
+                                **tiling_fields)
 
   def f(q, k, v, do):
-    call = _inputs.parse(q, k, v, layout=layout)
+    call = _inputs.parse(q, k, v, layout=layout, is_causal=causal)
     stats = mosaic.BACKEND.forward(call, config)
     return mosaic.BACKEND.backward(call, config, do, None, stats, tiling)
 
-  text = jax.jit(f).trace(q, k, v, q).lower(
+  return jax.jit(f).trace(q, k, v, q).lower(
       lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("h,layout", [(64, "BNTH"), (128, "BTNH")])
+def test_backward_dq_turns_lowers_for_cuda(h, layout):
+  """With the consumers taking turns on dQ, the fused kernel lowers; the
+  producer's reduce-adds and the consumers' bare fences are in it."""
+  text = _fused_backward_lowered(h, layout, dq_turns=True)
   assert text.count("mosaic_gpu_v2") == 2
   assert "cp.reduce.async.bulk.tensor" in text
   assert "fence.proxy.async.shared::cta" in text
@@ -581,21 +587,9 @@ def test_backward_static_consumers_lowers_for_cuda(h, layout, causal, turns):
   """With a copy of the consumer code per warpgroup (static_consumers), the
   fused kernel lowers, with or without dq_turns, to another program than
   the shared code's."""
-  from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
-  q, k, v = _data(2, 300, 300, 4, 2, h, layout=layout)
-  config = PRESETS["sage2-8b"].replace(backward_stats="saved")
-
   def lowered(static):
-    tiling = MosaicBackwardTiling(block_q=8192 // h, fused_dq=True,
-                                  dq_turns=turns, static_consumers=static)
-
-    def f(q, k, v, do):
-      call = _inputs.parse(q, k, v, layout=layout, is_causal=causal)
-      stats = mosaic.BACKEND.forward(call, config)
-      return mosaic.BACKEND.backward(call, config, do, None, stats, tiling)
-
-    return jax.jit(f).trace(q, k, v, q).lower(
-        lowering_platforms=("cuda",)).as_text()
+    return _fused_backward_lowered(h, layout, causal, dq_turns=turns,
+                                   static_consumers=static)
 
   text = lowered(True)
   assert text.count("mosaic_gpu_v2") == 2

@@ -274,21 +274,20 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
     if turns:  # a consumer's dQ tile stored / added by the producer
       dq_ready, dq_free = scratch[1][5:7]
 
+    def rows_of(wg):  # consumer wg's 64 keys, or its half of a dQ tile
+      if isinstance(wg, int):
+        return pl.ds(wg * ROWS, ROWS)
+      return pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
+
     def dq_window(gi, i, part):
       """Half ``part`` (a Python int or a consumer index) of the dQ tile of
       query block ``i`` of the group's head ``gi``."""
       head = kv_head * g + gi
       if split_cols:
-        cols = (pl.ds(part * ROWS, ROWS) if isinstance(part, int)
-                else pl.ds(pl.multiple_of(part * ROWS, ROWS), ROWS))
-        return tile_rows(dq_ref, layout, batch, head, i * bq, bq).at[:, cols]
+        return tile_rows(dq_ref, layout, batch, head, i * bq, bq).at[
+            :, rows_of(part)]
       return tile_rows(dq_ref, layout, batch, head, i * bq + part * ROWS,
                        ROWS)
-
-    def rows_of(wg):  # consumer wg's 64 keys, or its half of a dQ tile
-      if isinstance(wg, int):
-        return pl.ds(wg * ROWS, ROWS)
-      return pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
 
     def _consumer(wg):
       plgpu.set_max_registers(tiling.consumer_registers, action="increase")
