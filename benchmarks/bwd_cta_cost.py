@@ -2,7 +2,7 @@
 query lengths (NOTES B17's question).
 
   PYTHONPATH=$PWD python benchmarks/bwd_cta_cost.py [--out DIR] \
-      [--lengths 256,512,1024,2048,4096] [--tilings default,nosc]
+      [--lengths 256,512,1024,2048,4096] [--tilings "default;nosc"]
 
 The dK/dV kernel with dQ fused (``mosaic_backward.attention_backward``, the
 kernel alone: no forward, no glue) on B=2, N=K=32, S=4096, H=128, bf16,
@@ -36,13 +36,18 @@ B, N, S, H = 2, 32, 4096, 128
 SMS = 132
 
 
-def tiling_for(name: str) -> mosaic_backward.MosaicBackwardTiling:
+def tiling_for(item: str) -> mosaic_backward.MosaicBackwardTiling:
+  """``default``, ``nosc``, or ``name:field=int,...`` (fields replaced in
+  the default)."""
   base = mosaic.default_backward_tiling(H, fused_dq=True)
-  if name == "default":
-    return base
-  if name == "nosc":
+  name, _, fields = item.partition(":")
+  if name == "nosc" and not fields:
     return dataclasses.replace(base, static_consumers=False)
-  raise ValueError(f"unknown tiling {name!r}: default or nosc")
+  if name != "default" and not fields:
+    raise ValueError(f"unknown tiling {name!r}: default, nosc or "
+                     "name:field=value,...")
+  return dataclasses.replace(base, **{
+      k: int(v) for k, v in (f.split("=") for f in fields.split(",") if f)})
 
 
 def kernel_call(t: int, tiling):
@@ -74,14 +79,16 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default=os.environ.get("OUT", "."))
   p.add_argument("--lengths", default="256,512,1024,2048,4096")
-  p.add_argument("--tilings", default="default,nosc")
+  p.add_argument("--tilings", default="default;nosc",
+                 help='";"-separated: default, nosc, name:field=1,...')
   p.add_argument("--lower-only", action="store_true")
   args = p.parse_args()
   lengths = [int(x) for x in args.lengths.split(",")]
   ctas = B * N * (S // (2 * mosaic_backward.ROWS))
   rows = []
-  for name in args.tilings.split(","):
-    tiling = tiling_for(name)
+  for item in filter(None, args.tilings.split(";")):
+    name = item.partition(":")[0]
+    tiling = tiling_for(item)
     times = []
     for t in lengths:
       fn, call_args = kernel_call(t, tiling)

@@ -404,7 +404,9 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
           k_own, tile_rows(dk_ref, layout, batch, kv_head, k0, ROWS))
       plgpu.copy_smem_to_gmem(
           v_own, tile_rows(dv_ref, layout, batch, kv_head, k0, ROWS))
-      plgpu.wait_smem_to_gmem(0)
+      # Shared memory is read out before the CTA exits (the writes finish
+      # without us; NOTES B18).
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     if tiling.static_consumers:  # one copy of the code per consumer
       for consumer in range(2):
@@ -462,7 +464,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
           plgpu.barrier_wait(free.at[lax.rem(step, jnp.int32(stages))])
           add_dq(step)
 
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   def entry(*refs):
     smem = (
