@@ -217,6 +217,26 @@ def test_persistent_schedule_takes_every_tile_once(b, n, num_q_tiles,
       1, n, num_q_tiles)) == ((0, 1, 0) if num_q_tiles > 1 else (1, 0, 0))
 
 
+@pytest.mark.parametrize("layout,lengths,dtype,want", [
+    ("BTNH", False, jnp.bfloat16, True), ("BNTH", False, jnp.bfloat16, True),
+    ("BTNH", True, jnp.bfloat16, False), ("BTNH", False, jnp.float16, False)])
+def test_16_bit_pv_reads_v_in_place(layout, lengths, dtype, want):
+  """The BF16-P·V forward (sage2-8b under jax.grad) reads V in place, a
+  statistics pass finding its non-finite channels, where V is in the P·V
+  dtype and no key is past key_value_seq_lengths; else V is copied."""
+  q, k, v = _data(2, 256, 256, 4, 2, 128, layout=layout)
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  kwargs = dict(key_value_seq_lengths=jnp.array([200, 256])) if lengths else {}
+  call = _inputs.parse(q, k, v, layout=layout, **kwargs)
+  assert mosaic.v_read_in_place(call, config, 128, 128) == want
+  text = jax.jit(lambda q, k, v: mosaic.BACKEND.forward(_inputs.parse(
+      q, k, v, layout=layout, **kwargs), config)).trace(q, k, v).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert ("sage_quantize_v" in text) != want
+  assert ("sage_token_statistics" in text) == want
+
+
 def test_default_tiling_is_persistent_only_for_uniform_tiles():
   """The persistent grid (a static tile order) is the default where every
   query tile does the same work: H=128, at most 4096 keys, no causal mask,
@@ -483,6 +503,42 @@ def test_gpu_kernel_quantizing_q_matches_xla_arithmetic(granularity, layout):
   assert testing.error_metrics(got, want)["rel_l2"] < 5e-3
   np.testing.assert_allclose(np.where(keep, got_lse, 0),
                              np.where(keep, want_lse, 0), atol=1e-2)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("layout,causal", [("BTNH", True), ("BNTH", False)])
+def test_gpu_16_bit_pv_with_v_in_place(layout, causal):
+  """The BF16-P·V forward reading V in place matches "xla" as the copied V
+  does (test_gpu_mosaic_matches_xla_and_exact's bound), and a NaN or Inf in
+  V makes its channel NaN in every row of the KV head's query heads (the
+  statistics pass; under a causal mask too, as exact attention's 0·NaN)."""
+  b, t, n, kh, h = 2, 512, 4, 2, 128
+  q, k, v = _data(b, t, t, n, kh, h, kind="qkv_channel_bias", layout=layout)
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  assert mosaic.v_read_in_place(_inputs.parse(q, k, v, layout=layout),
+                                config, h, 128)
+  run = jax.jit(lambda q, k, v, impl: sagejax.attention(
+      q, k, v, config=config, implementation=impl, layout=layout,
+      is_causal=causal), static_argnums=3)
+  _poison(8 * q.size * 4)
+  got, want = run(q, k, v, "mosaic"), run(q, k, v, "xla")
+  exact = sagejax.exact_attention(q, k, v, layout=layout, is_causal=causal)
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  vs_xla = testing.error_metrics(got, want)["rel_l2"]
+  vs_exact = testing.error_metrics(want, exact)["rel_l2"]
+  assert vs_xla < 0.5 * vs_exact + 2e-3, (vs_xla, vs_exact)
+  at = (lambda bb, s, hh, c: (bb, s, hh, c)) if layout == "BTNH" else (
+      lambda bb, s, hh, c: (bb, hh, s, c))
+  v = v.at[at(0, 300, 1, 5)].set(jnp.nan).at[at(1, 200, 0, 7)].set(jnp.inf)
+  got = np.asarray(run(q, k, v, "mosaic"), np.float32)
+  if layout == "BNTH":
+    got = got.transpose(0, 2, 1, 3)
+  bad = ~np.isfinite(got)
+  want_bad = np.zeros_like(bad)
+  want_bad[0, :, 2:4, 5] = True
+  want_bad[1, :, 0:2, 7] = True
+  np.testing.assert_array_equal(bad, want_bad)
 
 
 @gpu

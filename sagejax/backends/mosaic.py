@@ -119,6 +119,19 @@ def quantize_q_in_kernel(call: ParsedCall, config: SageConfig
                    shift_mult=call.sm_scale)
 
 
+def v_read_in_place(call: ParsedCall, config: SageConfig, head_dim: int,
+                    s_multiple: int) -> bool:
+  """Whether the kernel reads the caller's V in place (16-bit P·V, e.g.
+  the forward under ``jax.grad``; NOTES B19): V already in the P·V dtype,
+  unsmoothed, unpadded (``head_dim`` and a multiple of ``s_multiple``
+  keys) and without ``key_value_seq_lengths``. Else a pass copies it."""
+  _, _, _, h, _, s = call.dims
+  pv = {"fp16": jnp.float16, "bf16": jnp.bfloat16}.get(config.pv_dtype)
+  return (pv is not None and jnp.dtype(call.v.dtype) == jnp.dtype(pv)
+          and not config.smooth_v and call.kv_lengths is None
+          and h == head_dim and s % s_multiple == 0)
+
+
 def k_scale_grouped(config: SageConfig) -> bool:
   """Whether K's scales are one per 64 keys and key index mod 8 // 2 (the
   kernel's per-thread key scales, ``attention_forward(k_scale_grouped=)``):
@@ -169,13 +182,14 @@ class _MosaicBackend:
     hp = max(64, next_pow2(h))
     tiling = tiling or default_tiling(hp, config, call)
     fp8 = config.pv_dtype == "fp8_e4m3"
+    s_multiple = max(config.block_k, tiling.block_kv)
     prepared = quantize_inputs(
         call, config, head_dim=hp,
         t_multiple=math.lcm(config.block_q, tiling.block_rows),
-        s_multiple=max(config.block_k, tiling.block_kv),
-        v_transposed=fp8, v_wgmma_key_order=fp8,
+        s_multiple=s_multiple, v_transposed=fp8, v_wgmma_key_order=fp8,
         quantize_q=(not tiling.quantize_q
-                    or quantize_q_in_kernel(call, config) is None))
+                    or quantize_q_in_kernel(call, config) is None),
+        v_in_place=v_read_in_place(call, config, hp, s_multiple))
     if config.qk_dtype == "int4":
       qkv = prepared.qkv
       q = qkv.q if qkv.q is None else quant.unpack_int4(qkv.q)
@@ -203,7 +217,8 @@ class _MosaicBackend:
         out_dtype=call.q.dtype, out_layout=call.layout,
         pv_two_level=config.pv_accumulation == "fp32+fp32",
         k_scale_grouped=k_scale_grouped(config), quantize_q=quantize_q,
-        k_mean=prepared.k_mean, q_layout=q_layout, tiling=tiling,
+        k_mean=prepared.k_mean, q_layout=q_layout,
+        v_layout=prepared.v_layout, tiling=tiling,
         profile_dir=profile_dir)
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]

@@ -115,7 +115,8 @@ class Prepared:
   ``q_raw``: Q as given (16-bit, the call's layout, padded) when the
   attention kernel quantizes it itself; ``qkv.q``, ``qkv.q_scale`` and
   ``qkv.lse_shift`` are then None and ``k_mean`` (f32 ``[B, K, H]``, or None
-  without K smoothing) is what the kernel's LSE shift needs.
+  without K smoothing) is what the kernel's LSE shift needs. ``v_layout``:
+  ``qkv.v``'s layout when 16-bit (``"BTNH"``: the caller's V, read in place).
   """
   qkv: quant.QuantizedQKV
   q_lengths: jax.Array
@@ -124,13 +125,15 @@ class Prepared:
   bias: Optional[jax.Array] = None
   q_raw: Optional[jax.Array] = None
   k_mean: Optional[jax.Array] = None
+  v_layout: str = dataclasses.field(default="BNTH",
+                                    metadata=dict(static=True))
 
 
 def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                     t_multiple: int, s_multiple: int, v_transposed: bool,
                     v_store_dtype=None, v_wgmma_key_order: bool = False,
-                    quantize_q: bool = True, interpret: bool = False
-                    ) -> Prepared:
+                    quantize_q: bool = True, v_in_place: bool = False,
+                    interpret: bool = False) -> Prepared:
   """Smooths and quantizes Q, K, V with the Pallas (Triton) kernels.
 
   The token axes are padded to multiples of ``t_multiple`` / ``s_multiple``
@@ -141,6 +144,11 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   P·V operand type). K's smoothing mean is sampled
   (:func:`sagejax.quant.sampled_mean`); V's reductions are one pass over V.
   ``quantize_q=False`` leaves Q to the attention kernel (``Prepared.q_raw``).
+  ``v_in_place``: a 16-bit P·V of unsmoothed V takes V as given (padded, in
+  the call's layout: ``Prepared.v_layout``) instead of a copy, and one read
+  of V finds its non-finite channels; only where V's dtype is the P·V
+  operand's and no token past ``key_value_seq_lengths`` is stored (a
+  masked key's NaN would reach the product).
   """
   b, n, t, h, kh, s = call.dims
   layout = call.layout
@@ -185,14 +193,29 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   k_vals, k_scale, _, _ = triton_quantize.quantize_qk(
       k, kv_lengths, k_mean, role="k", config=config, layout=layout,
       interpret=interpret)
-  v_vals = triton_quantize.quantize_v(
-      v, kv_lengths, v_mean, v_scale, config=config, layout=layout,
-      transpose=v_transposed, store_dtype=v_store_dtype,
-      wgmma_key_order=v_wgmma_key_order, interpret=interpret,
-      return_nonfinite=not fp8)
-  if not fp8:
-    v_vals, nonfinite = v_vals
-    v_scale = jnp.where(jnp.max(nonfinite, axis=2) > 0, jnp.nan, v_scale)
+  pv_dtype = {"fp16": jnp.float16, "bf16": jnp.bfloat16}.get(config.pv_dtype)
+  if v_in_place and (fp8 or config.smooth_v or v_transposed
+                     or call.kv_lengths is not None
+                     or jnp.dtype(v.dtype) != jnp.dtype(v_store_dtype
+                                                        or pv_dtype)):
+    raise ValueError("v_in_place needs a 16-bit P·V in V's own dtype, no V "
+                     "smoothing or transposition and no key_value_seq_lengths"
+                     "; pass v_in_place=False.")
+  if v_in_place:  # V as given; +inf max |V| marks a non-finite channel
+    v_vals = v
+    _, _, v_amax = triton_quantize.token_statistics(
+        k, v, kv_lengths, layout=layout, k_mean=False, v_amax=True,
+        interpret=interpret)
+    v_scale = jnp.where(v_amax < jnp.inf, v_scale, jnp.nan)
+  else:
+    v_vals = triton_quantize.quantize_v(
+        v, kv_lengths, v_mean, v_scale, config=config, layout=layout,
+        transpose=v_transposed, store_dtype=v_store_dtype,
+        wgmma_key_order=v_wgmma_key_order, interpret=interpret,
+        return_nonfinite=not fp8)
+    if not fp8:
+      v_vals, nonfinite = v_vals
+      v_scale = jnp.where(jnp.max(nonfinite, axis=2) > 0, jnp.nan, v_scale)
   delta_s = None
   if q_bmean is not None:
     k_smoothed = to_canonical(k, layout).astype(jnp.float32)
@@ -209,7 +232,8 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                   mask=_pairwise(call.mask, t_pad, s_pad, jnp.int8),
                   bias=_pairwise(call.bias, t_pad, s_pad, None),
                   q_raw=None if quantize_q else q,
-                  k_mean=None if quantize_q else k_mean)
+                  k_mean=None if quantize_q else k_mean,
+                  v_layout=layout if v_in_place else "BNTH")
 
 
 class _PallasTritonBackend:

@@ -516,6 +516,7 @@ def attention_forward(
     quantize_q: Optional[QuantizeQ] = None,
     k_mean: Optional[jax.Array] = None,
     q_layout: str = "BNTH",
+    v_layout: str = "BNTH",
     tiling: MosaicTiling = MosaicTiling(),
     profile_dir: Optional[str] = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -530,7 +531,9 @@ def attention_forward(
     k: int8 ``[B, K, S_pad, H]``; ``S_pad`` a multiple of ``block_kv``.
     k_scale: f32 ``[B, K, S_pad]``.
     v: FP8 e4m3 ``[B, K, H, S_pad]`` with keys in :func:`pv_key_order`, or
-      16-bit ``[B, K, S_pad, H]`` (P·V on the 16-bit tensor cores).
+      16-bit ``[B, K, S_pad, H]`` (P·V on the 16-bit tensor cores; ``[B,
+      S_pad, K, H]`` with ``v_layout="BTNH"``, e.g. the caller's V read in
+      place).
     v_scale, v_mean: f32 ``[B, K, H]`` (``v_mean`` may be None).
     delta_s: f32 ``[B, N, T_pad / config_block_q, S_pad]`` (ΔS of smoothed
       Q, base-2 units) or None.
@@ -550,6 +553,7 @@ def attention_forward(
     k_mean: with ``quantize_q``, f32 ``[B, K, H]``: K's mean, whose row
       shift ``quantize_q.shift_mult · q·k̄`` the kernel adds to the LSE.
     q_layout: ``q``'s layout, ``"BNTH"`` or (with ``quantize_q``) ``"BTNH"``.
+    v_layout: a 16-bit ``v``'s layout, ``"BNTH"`` or ``"BTNH"``.
     profile_dir: write a Perfetto trace of each call's named regions per
       warpgroup (Mosaic GPU's on-device profiler, ``%clock`` stamps) there;
       ``benchmarks/kernel_profile.py`` reads it. The stamps constrain the
@@ -586,6 +590,9 @@ def attention_forward(
                      "quantize_q (else the caller adds quant.lse_shift).")
   if k.dtype != jnp.int8:
     raise ValueError("k must be int8 (INT4 is unpacked to int8 first).")
+  if v_layout not in ("BNTH", "BTNH") or (fp8 and v_layout != "BNTH"):
+    raise ValueError(f"v_layout={v_layout!r}: pass 'BNTH', or 'BTNH' for a "
+                     "16-bit v ([B, S_pad, K, H]); FP8 V is [B, K, H, S_pad].")
   if delta_s is not None and config_block_q % rows_cta:
     raise ValueError(f"config block_q={config_block_q} must be a multiple of "
                      f"{rows_cta} when Q is smoothed.")
@@ -1053,7 +1060,7 @@ def attention_forward(
         if fp8:
           v_src = v_ref.at[batch, kv_head, :, keys]
         else:
-          v_src = v_ref.at[batch, kv_head, keys]
+          v_src = tile_rows(v_ref, v_layout, batch, kv_head, j * bkv, bkv)
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bar.at[slot])
 
       return None if base is None else base + (bhi - blo)
