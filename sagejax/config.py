@@ -158,13 +158,23 @@ class SageConfig:
     through the saved output (gradient cos down to 0.994 on outlier data),
     and exact statistics cost the backward a pass of two more products. The
     output then differs from the plain forward's by quantization noise
-    only, and is more accurate. Other configs are unchanged.
+    only, and is more accurate. Per-thread and per-warp Q groups then span
+    16-row warps (``num_warps = block_q // 16``, SageAttention2's own sm90
+    geometry; finer groups, no less accurate), which the Hopper kernel
+    quantizes in its prologue instead of a pass over Q (benchmarks/NOTES.md,
+    B21). Other configs are unchanged.
     """
     if (self.backward_stats == "auto" and self.qk_dtype == "int8"
         and self.pv_dtype == "fp8_e4m3"):
       fp16 = dtype is not None and jnp.dtype(dtype) == jnp.float16
-      return self.replace(pv_dtype="fp16" if fp16 else "bf16",
-                          pv_accumulation="fp32")
+      changes = dict(pv_dtype="fp16" if fp16 else "bf16",
+                     pv_accumulation="fp32")
+      warps = self.block_q // 16
+      if (self.qk_granularity in ("per_thread", "per_warp")
+          and self.block_q % 16 == 0 and warps in (1, 2, 4, 8)
+          and self.block_q % (warps * THREAD_ROW_GROUPS) == 0):
+        changes["num_warps"] = warps
+      return self.replace(**changes)
     return self
 
   @property

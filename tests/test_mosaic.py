@@ -237,6 +237,24 @@ def test_16_bit_pv_reads_v_in_place(layout, lengths, dtype, want):
   assert ("sage_token_statistics" in text) == want
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_training_forward_quantizes_q_off_the_persistent_grid(causal):
+  """The forward under jax.grad (sage2-8b differentiated: BF16 P·V, 16-row
+  Q warps) quantizes Q in the kernel's prologue on the hardware's grid
+  (causal here) and by a pass on the persistent grid (NOTES B21)."""
+  q, k, v = _data(2, 256, 256, 4, 2, 128)
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  call = _inputs.parse(q, k, v, is_causal=causal)
+  tiling = mosaic.default_tiling(128, config, call)
+  assert tiling.quantize_q == causal and tiling.persistent != causal
+  text = jax.jit(lambda q, k, v: mosaic.BACKEND.forward(_inputs.parse(
+      q, k, v, is_causal=causal), config)).trace(q, k, v).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert ("sage_quantize_q" in text) != causal
+  # The FP8 forward keeps the pass.
+  assert not mosaic.default_tiling(128, PRESETS["sage2-8b"], call).quantize_q
+
+
 def test_default_tiling_is_persistent_only_for_uniform_tiles():
   """The persistent grid (a static tile order) is the default where every
   query tile does the same work: H=128, at most 4096 keys, no causal mask,
@@ -478,7 +496,9 @@ def test_gpu_kernel_quantizing_q_matches_xla_arithmetic(granularity, layout):
   want, want_lse = xla.attend_quantized(
       qkv, config, spec, q_lengths=lengths[0], kv_lengths=lengths[1])
   want_lse = want_lse + qkv.lse_shift
-  k_mean = quant.token_mean(canon(k).astype(jnp.float32), lengths[1])
+  # quant.quantize's k̄ (sampled tokens): the kernel's LSE shift must use the
+  # mean K was smoothed by.
+  k_mean = quant.sampled_mean(canon(k).astype(jnp.float32), lengths[1])
   call = _inputs.parse(q, k, v, layout=layout)
   quantize_q = mosaic.quantize_q_in_kernel(call, config)
   assert quantize_q.rows_per_group == {"per_thread": 2, "per_warp": 16,

@@ -6,8 +6,9 @@ warp-specialised, ping-ponged consumer warpgroups. Inputs are quantized by
 the Pallas quantization kernels of the ``"pallas"`` backend, with V stored
 transposed and in the kernel's key order; with
 ``MosaicTiling(quantize_q=True)`` the kernel quantizes Q itself where the
-config's groups allow (:func:`quantize_q_in_kernel`; measured slower, off
-by default).
+config's groups allow (:func:`quantize_q_in_kernel`): by default only in a
+16-bit P·V kernel off the persistent grid (the training forward; slower
+with FP8 P·V).
 
 Calls it does not serve (``unsupported`` says why, and ``implementation=None``
 then picks the ``"pallas"`` backend): user ``mask``/``bias`` arrays, head dims
@@ -59,7 +60,9 @@ def default_tiling(head_dim: int, config: SageConfig,
   window or lengths: equal work per tile) runs the persistent grid with
   240/24 registers (section 11, H100: FP8 P·V kernel +10% at 1k, +2% at 4k,
   −1% at 16k; 16-bit P·V +8% at 2k, +3% at 4k; the static tile order loses
-  6-9% to uneven causal tiles, which stay on the hardware's grid)."""
+  6-9% to uneven causal tiles, which stay on the hardware's grid). Off the
+  persistent grid, a 16-bit P·V kernel quantizes Q itself where
+  :func:`quantize_q_in_kernel` allows (B21)."""
   if head_dim <= 64:
     if config.pv_dtype == "fp8_e4m3":
       return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
@@ -68,7 +71,12 @@ def default_tiling(head_dim: int, config: SageConfig,
       and uniform_tiles(call)):
     return MosaicTiling(block_kv=128, num_stages=2, persistent=True,
                         consumer_registers=240, producer_registers=24)
-  return MosaicTiling(block_kv=128, num_stages=2)
+  # 16-bit P·V (the training forward): Q quantized in the prologue where
+  # its groups allow (NOTES B21: +2-4% end to end; the FP8 kernel lost
+  # 3-5% with it, section 6).
+  return MosaicTiling(block_kv=128, num_stages=2, quantize_q=(
+      config.pv_dtype != "fp8_e4m3" and call is not None
+      and quantize_q_in_kernel(call, config) is not None))
 
 
 def uniform_tiles(call: ParsedCall) -> bool:
