@@ -75,6 +75,9 @@ MEAN_SAMPLES = 256
 FP8_MAX = 448.0
 P_SCALE = FP8_MAX
 FP8_DTYPE = jnp.float8_e4m3fn
+# The P·V operand type of each SageConfig.pv_dtype.
+PV_OPERAND_DTYPES = {"fp8_e4m3": FP8_DTYPE, "fp16": jnp.float16,
+                     "bf16": jnp.bfloat16}
 
 Role = Literal["q", "k"]
 

@@ -134,8 +134,8 @@ def v_read_in_place(call: ParsedCall, config: SageConfig, head_dim: int,
   unsmoothed, unpadded (``head_dim`` and a multiple of ``s_multiple``
   keys) and without ``key_value_seq_lengths``. Else a pass copies it."""
   _, _, _, h, _, s = call.dims
-  pv = {"fp16": jnp.float16, "bf16": jnp.bfloat16}.get(config.pv_dtype)
-  return (pv is not None and jnp.dtype(call.v.dtype) == jnp.dtype(pv)
+  pv = quant.PV_OPERAND_DTYPES[config.pv_dtype]
+  return (config.pv_dtype != "fp8_e4m3" and jnp.dtype(call.v.dtype) == pv
           and not config.smooth_v and call.kv_lengths is None
           and h == head_dim and s % s_multiple == 0)
 

@@ -193,11 +193,11 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   k_vals, k_scale, _, _ = triton_quantize.quantize_qk(
       k, kv_lengths, k_mean, role="k", config=config, layout=layout,
       interpret=interpret)
-  pv_dtype = {"fp16": jnp.float16, "bf16": jnp.bfloat16}.get(config.pv_dtype)
   if v_in_place and (fp8 or config.smooth_v or v_transposed
                      or call.kv_lengths is not None
-                     or jnp.dtype(v.dtype) != jnp.dtype(v_store_dtype
-                                                        or pv_dtype)):
+                     or jnp.dtype(v.dtype) != jnp.dtype(
+                         v_store_dtype or quant.PV_OPERAND_DTYPES[
+                             config.pv_dtype])):
     raise ValueError("v_in_place needs a 16-bit P·V in V's own dtype, no V "
                      "smoothing or transposition and no key_value_seq_lengths"
                      "; pass v_in_place=False.")

@@ -209,8 +209,7 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
     b, kh, s, h = v.shape
   block = config.block_k
   fp8 = config.pv_dtype == "fp8_e4m3"
-  dtype = store_dtype or {"fp8_e4m3": quant.FP8_DTYPE, "fp16": jnp.float16,
-                          "bf16": jnp.bfloat16}[config.pv_dtype]
+  dtype = store_dtype or quant.PV_OPERAND_DTYPES[config.pv_dtype]
   if transpose:
     out_shape = jax.ShapeDtypeStruct((b, kh, h, s), dtype)
     out_spec = pl.BlockSpec((None, None, h, block),

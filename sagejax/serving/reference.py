@@ -35,8 +35,6 @@ from sagejax.kernels._common import round_half_even
 from sagejax.masks import MaskSpec
 from sagejax.serving.cache import PagedKVCache
 
-PV_DTYPES = {"fp8_e4m3": quant.FP8_DTYPE, "fp16": jnp.float16,
-             "bf16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +95,7 @@ def round_pv(p: jax.Array, pv_dtype: str) -> jax.Array:
   """P' ∈ [0, 1] rounded to the P·V operand (FP8 as 448·P'), as f32."""
   if pv_dtype == "fp8_e4m3":
     return quant.quantize_p_fp8(p).astype(jnp.float32)
-  return p.astype(PV_DTYPES[pv_dtype]).astype(jnp.float32)
+  return p.astype(quant.PV_OPERAND_DTYPES[pv_dtype]).astype(jnp.float32)
 
 
 def bad_sequences(page_table: jax.Array, kv_len: jax.Array, q_len: jax.Array,
