@@ -171,8 +171,7 @@ class SageConfig:
                      pv_accumulation="fp32")
       warps = self.block_q // 16
       if (self.qk_granularity in ("per_thread", "per_warp")
-          and self.block_q % 16 == 0 and warps in (1, 2, 4, 8)
-          and self.block_q % (warps * THREAD_ROW_GROUPS) == 0):
+          and self.block_q % 16 == 0 and warps in (1, 2, 4, 8)):
         changes["num_warps"] = warps
       return self.replace(**changes)
     return self

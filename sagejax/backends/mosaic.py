@@ -37,7 +37,8 @@ from sagejax import quant
 from sagejax._inputs import ParsedCall
 from sagejax.backends._device import is_hopper
 from sagejax.backends.pallas_triton import (Prepared, pad_axis,
-                                            quantize_inputs, smoothed)
+                                            quantize_inputs, smoothed,
+                                            v_read_in_place)
 from sagejax.config import SageConfig
 from sagejax.kernels import mosaic_backward, triton_backward
 from sagejax.kernels._common import next_pow2
@@ -125,19 +126,6 @@ def quantize_q_in_kernel(call: ParsedCall, config: SageConfig
                    rows_per_group=rows[config.qk_granularity],
                    scale_mult=call.sm_scale * quant.LOG2E,
                    shift_mult=call.sm_scale)
-
-
-def v_read_in_place(call: ParsedCall, config: SageConfig, head_dim: int,
-                    s_multiple: int) -> bool:
-  """Whether the kernel reads the caller's V in place (16-bit P·V, e.g.
-  the forward under ``jax.grad``; NOTES B19): V already in the P·V dtype,
-  unsmoothed, unpadded (``head_dim`` and a multiple of ``s_multiple``
-  keys) and without ``key_value_seq_lengths``. Else a pass copies it."""
-  _, _, _, h, _, s = call.dims
-  pv = quant.PV_OPERAND_DTYPES[config.pv_dtype]
-  return (config.pv_dtype != "fp8_e4m3" and jnp.dtype(call.v.dtype) == pv
-          and not config.smooth_v and call.kv_lengths is None
-          and h == head_dim and s % s_multiple == 0)
 
 
 def k_scale_grouped(config: SageConfig) -> bool:

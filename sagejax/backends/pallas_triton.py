@@ -129,6 +129,20 @@ class Prepared:
                                     metadata=dict(static=True))
 
 
+def v_read_in_place(call: ParsedCall, config: SageConfig, head_dim: int,
+                    s_multiple: int) -> bool:
+  """Whether a kernel may read the caller's V in place (16-bit P·V, e.g.
+  the Mosaic forward under ``jax.grad``; benchmarks/NOTES.md B19): V
+  already in the P·V dtype, unsmoothed, unpadded (``head_dim`` and a
+  multiple of ``s_multiple`` keys) and without ``key_value_seq_lengths``
+  (a masked key's NaN would reach the product). Else a pass copies it."""
+  _, _, _, h, _, s = call.dims
+  pv = quant.PV_OPERAND_DTYPES[config.pv_dtype]
+  return (config.pv_dtype != "fp8_e4m3" and jnp.dtype(call.v.dtype) == pv
+          and not config.smooth_v and call.kv_lengths is None
+          and h == head_dim and s % s_multiple == 0)
+
+
 def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                     t_multiple: int, s_multiple: int, v_transposed: bool,
                     v_store_dtype=None, v_wgmma_key_order: bool = False,
@@ -144,11 +158,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   P·V operand type). K's smoothing mean is sampled
   (:func:`sagejax.quant.sampled_mean`); V's reductions are one pass over V.
   ``quantize_q=False`` leaves Q to the attention kernel (``Prepared.q_raw``).
-  ``v_in_place``: a 16-bit P·V of unsmoothed V takes V as given (padded, in
-  the call's layout: ``Prepared.v_layout``) instead of a copy, and one read
-  of V finds its non-finite channels; only where V's dtype is the P·V
-  operand's and no token past ``key_value_seq_lengths`` is stored (a
-  masked key's NaN would reach the product).
+  ``v_in_place``: V as given (the call's layout: ``Prepared.v_layout``)
+  instead of a copy, one read of V finding its non-finite channels; only
+  where :func:`v_read_in_place` allows.
   """
   b, n, t, h, kh, s = call.dims
   layout = call.layout
@@ -193,14 +205,12 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   k_vals, k_scale, _, _ = triton_quantize.quantize_qk(
       k, kv_lengths, k_mean, role="k", config=config, layout=layout,
       interpret=interpret)
-  if v_in_place and (fp8 or config.smooth_v or v_transposed
-                     or call.kv_lengths is not None
-                     or jnp.dtype(v.dtype) != jnp.dtype(
-                         v_store_dtype or quant.PV_OPERAND_DTYPES[
-                             config.pv_dtype])):
-    raise ValueError("v_in_place needs a 16-bit P·V in V's own dtype, no V "
-                     "smoothing or transposition and no key_value_seq_lengths"
-                     "; pass v_in_place=False.")
+  if v_in_place and (v_transposed or v_store_dtype is not None
+                     or not v_read_in_place(call, config, head_dim,
+                                            s_multiple)):
+    raise ValueError("v_in_place needs a 16-bit P·V in V's own dtype, "
+                     "unpadded, unsmoothed, untransposed V and no "
+                     "key_value_seq_lengths; pass v_in_place=False.")
   if v_in_place:  # V as given; +inf max |V| marks a non-finite channel
     v_vals = v
     _, _, v_amax = triton_quantize.token_statistics(
