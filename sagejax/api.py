@@ -45,37 +45,59 @@ def _sage_attention(static: _Static, q, k, v, bias, mask, q_lengths,
   return out, lse
 
 
+def _saves_lse2(name: str, call, config: SageConfig) -> bool:
+  """Whether backend ``name``'s forward under ``jax.grad`` keeps lse₂ for
+  its own backward in place of the LSE (``saves_lse2``); the forward and
+  the backward both ask."""
+  backend = backends.registry()[name]
+  return (callable(getattr(backend, "saves_lse2", None))
+          and backends.backward_of(name, call, config) is backend
+          and backend.saves_lse2(call, config))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Run:
-  """The forward on one backend (hashable: eager calls reuse compilations)."""
+  """The forward on one backend (hashable: eager calls reuse compilations).
+  ``residual``: also the row statistic its backward keeps (the LSE, or
+  lse₂ where :func:`_saves_lse2`)."""
   static: _Static
   backend: str
   config: SageConfig
+  residual: bool = False
 
   def __call__(self, q, k, v, bias, mask, q_lengths, kv_lengths):
     call = _call_of(self.static, q, k, v, bias, mask, q_lengths, kv_lengths)
-    out, lse = backends.registry()[self.backend].forward(call, self.config)
-    return out.astype(q.dtype), lse
+    backend = backends.registry()[self.backend]
+    if self.residual and _saves_lse2(self.backend, call, self.config):
+      out, lse, rows = backend.forward_residual(call, self.config)
+      return out.astype(q.dtype), lse, rows
+    out, lse = backend.forward(call, self.config)
+    return (out.astype(q.dtype), lse) + ((lse,) if self.residual else ())
 
 
-def _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths):
-  """The forward, run on each device's batch/head shard (sagejax.sharding)."""
+def _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths,
+             residual: bool = False):
+  """The forward, run on each device's batch/head shard (sagejax.sharding):
+  (output, LSE[, the backward's row statistic: :class:`_Run`])."""
   return sharding.attention_forward(
-      functools.partial(_local_forward, static), static.layout)(
+      functools.partial(_local_forward, static, residual=residual),
+      static.layout, residual=residual)(
           q, k, v, bias, mask, q_lengths, kv_lengths)
 
 
-def _local_forward(static, q, k, v, bias, mask, q_lengths, kv_lengths):
+def _local_forward(static, q, k, v, bias, mask, q_lengths, kv_lengths,
+                   residual: bool = False):
   arrays = (q, k, v, bias, mask, q_lengths, kv_lengths)
-  default = _Run(static, static.backend, static.config)
+  default = _Run(static, static.backend, static.config, residual)
   if not static.per_platform:
     return default(*arrays)
   # Chosen when lowering, per platform: an export for ("cuda", "cpu") holds
   # the GPU kernels for CUDA and the default ("xla") for the CPU.
   b, n, t, _, _, _ = _call_of(static, *arrays).dims
-  out_shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((b, n, t), jnp.float32))
-  branches = {platform: _Run(static, name, config)
+  rows = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
+  out_shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), rows) + (
+      (rows,) if residual else ())
+  branches = {platform: _Run(static, name, config, residual)
               for platform, name, config in static.per_platform}
   return _platforms.platform_dependent(*arrays, default=default,
                                        out_shapes=out_shapes, **branches)
@@ -97,15 +119,16 @@ def _differentiated(static: _Static, call) -> _Static:
 def _sage_attention_fwd(static, q, k, v, bias, mask, q_lengths, kv_lengths):
   call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
   static = _differentiated(static, call)
-  out, lse = _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths)
-  # The forward's LSE is saved for a kernel backward (the Mosaic backward
-  # corrects it into the exact statistics; [B, N, T] is small), its output
-  # too when that backward takes δ from it (residuals have one structure on
-  # every platform).
+  # The forward's LSE (or lse₂: _saves_lse2) is saved for a kernel backward
+  # (the Mosaic backward corrects it into the exact statistics; [B, N, T] is
+  # small), its output too when that backward takes δ from it (residuals
+  # have one structure on every platform).
   kernel_bwd = [(name, config) for name, config in _branches(static)
                 if backends.backward_of(name, call, config) is not None]
+  out, lse, *rows = _forward(static, q, k, v, bias, mask, q_lengths,
+                             kv_lengths, residual=bool(kernel_bwd))
   keep_out = any(config.saved_stats for _, config in kernel_bwd)
-  saved = (out if keep_out else None, lse) if kernel_bwd else None
+  saved = (out if keep_out else None, rows[0]) if kernel_bwd else None
   res = (q, k, v, bias, mask, q_lengths, kv_lengths, saved)
   return (out, lse), res
 
@@ -131,8 +154,11 @@ class _Grads:
     if backend is not None:  # a kernel backward (backends.backward_of)
       if saved is not None and not self.config.saved_stats:
         saved = (None, saved[1])  # the LSE alone: a hint, not δ's source
+      extra = {}
+      if saved is not None and _saves_lse2(self.backend, call, self.config):
+        extra = dict(saved_lse2=True)  # the forward kept lse₂ (_Run)
       dq, dk, dv, dbias = backend.backward(
-          call, self.config, d_out, d_lse, saved)
+          call, self.config, d_out, d_lse, saved, **extra)
     else:
       canon = functools.partial(_inputs.to_canonical, layout=static.layout)
       grads = _vjp.attention_backward(

@@ -478,12 +478,15 @@ _INPUTS = ("query", "key", "value", "bias", "mask", "query_seq_lengths",
            "key_value_seq_lengths")
 
 
-def attention_forward(fn: Callable, layout: str) -> Callable:
-  """``fn(q, k, v, bias, mask, q_lengths, kv_lengths) -> (out, lse)``,
+def attention_forward(fn: Callable, layout: str, residual: bool = False
+                      ) -> Callable:
+  """``fn(q, k, v, bias, mask, q_lengths, kv_lengths) -> (out, lse)``
+  (``residual``: ``(out, lse, rows)``, ``rows`` shaped as ``lse``),
   partitioned over batch and heads."""
   r = attention_roles(layout)
   return batch_head_parallel(fn, [r[n] for n in _INPUTS],
-                             [r["query"], r["lse"]], names=_INPUTS)
+                             [r["query"], r["lse"]] + [r["lse"]] * residual,
+                             names=_INPUTS)
 
 
 def attention_backward(fn: Callable, layout: str, has_bias: bool) -> Callable:

@@ -251,6 +251,98 @@ def test_saved_statistics_kernel(qkv, next_key, layout):
       layout=layout, interpret=True)
   assert none is None
   np.testing.assert_array_equal(lse2_alone, lse2)
+  # lse₂ kept by the forward (mosaic.forward_residual): δ alone, no Q read.
+  given, delta_alone = triton_backward.saved_statistics(
+      None, lse2, None, q_lengths=q_lengths, sm_scale=h ** -0.5,
+      layout=layout, out=out, d_out=d_out, d_lse=d_lse, interpret=True)
+  assert given is lse2
+  np.testing.assert_array_equal(delta_alone, delta)
+  with pytest.raises(ValueError, match="neither"):
+    triton_backward.saved_statistics(
+        None, lse2, None, q_lengths=q_lengths, sm_scale=h ** -0.5,
+        layout=layout, interpret=True)
+
+
+class _Lse2Backend:
+  """A stand-in for the Mosaic backend's lse₂ residual: the "xla" forward,
+  a marked row statistic (2·LSE + 1) from ``forward_residual``, and the
+  exact backward, recording what it was handed."""
+  name, platform = "mosaic", "cuda"
+
+  def __init__(self):
+    self.calls = []
+
+  def available(self):
+    return True
+
+  def unsupported(self, call, config):
+    return None
+
+  def backward_unsupported(self, call, config):
+    return None
+
+  def forward(self, call, config):
+    return xla.BACKEND.forward(call, config)
+
+  def saves_lse2(self, call, config):
+    return config.saved_stats
+
+  def forward_residual(self, call, config):
+    out, lse = self.forward(call, config)
+    return out, lse, 2.0 * lse + 1.0
+
+  def backward(self, call, config, d_out, d_lse, saved, saved_lse2=False):
+    out, rows = saved
+    self.calls.append((saved_lse2, jax.ShapeDtypeStruct(rows.shape,
+                                                        rows.dtype)))
+    lse = (rows - 1.0) / 2.0 if saved_lse2 else rows
+    canon = functools.partial(_inputs.to_canonical, layout=call.layout)
+    grads = _vjp.attention_backward(
+        canon(call.q), canon(call.k), canon(call.v), None, None, None, None,
+        canon(d_out), d_lse, call.spec, call.sm_scale,
+        saved=None if out is None else (canon(out), lse))
+    return tuple(_inputs.from_canonical(g, call.layout)
+                 for g in grads[:3]) + (None,)
+
+
+def test_forward_keeps_lse2_for_its_own_backward(qkv, next_key, monkeypatch):
+  """Under jax.grad a backend that ``saves_lse2`` (the Mosaic one) hands
+  its backward the row statistic of its ``forward_residual``, flagged
+  ``saved_lse2``, in place of the LSE; the caller still gets the natural-log
+  LSE; without saved statistics the LSE is kept as before."""
+  fake = _Lse2Backend()
+  monkeypatch.setitem(backends.registry(), "mosaic", fake)
+  q, k, v = qkv(1, 40, 60, 4, 2, 32, kind="channel_bias", dtype=jnp.float32)
+  w = jax.random.normal(next_key(), q.shape)
+  u = jax.random.normal(next_key(), (1, 4, 40))
+
+  def loss(fn):
+    def f(q, k, v):
+      out, lse = fn(q, k, v, is_causal=True, return_lse=True)
+      return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse,
+                                                  0.0) * u)
+    return f
+
+  want = jax.jit(jax.grad(loss(sagejax.exact_attention), (0, 1, 2)))(q, k, v)
+  _, want_lse = sagejax.exact_attention(q, k, v, is_causal=True,
+                                        return_lse=True)
+  for config, flagged in (("sage1", True), (RECOMPUTE, False)):
+    fn = functools.partial(sagejax.attention, config=config,
+                           implementation="mosaic")
+    got = jax.jit(jax.grad(loss(fn), (0, 1, 2)))(q, k, v)
+    (saved_lse2, rows), = fake.calls
+    fake.calls.clear()
+    assert saved_lse2 is flagged
+    # The forward rule's LSE (jax.vjp runs it) is the natural-log one, up to
+    # the quantization's error, whichever statistic it kept.
+    (_, lse), _ = jax.vjp(lambda q, k, v, fn=fn: fn(
+        q, k, v, is_causal=True, return_lse=True), q, k, v)
+    np.testing.assert_allclose(lse, want_lse, atol=0.05)
+    # The backward decodes the marker only when flagged: handed the LSE (or
+    # the marker unflagged), its gradients would miss by far more.
+    assert rows.shape == lse.shape
+    for g, r in zip(got, want):
+      assert testing.error_metrics(g, r)["cos_sim"] > 0.9999
 
 
 def test_int8_backward_accuracy(qkv, next_key):

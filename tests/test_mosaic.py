@@ -563,6 +563,48 @@ def test_gpu_16_bit_pv_with_v_in_place(layout, causal):
 
 @gpu
 @needs_hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_forward_residual_lse2_matches_the_statistics_pass(causal):
+  """lse₂ kept by the training forward (``forward_residual``: the smoothed
+  logits' LSE, without reading Q again) == what the backward's statistics
+  pass makes from Q, the LSE and k̄; causal, with query lengths: Q
+  quantized in the kernel (its row shift from the kernel), rows past the
+  length +inf; non-causal: by the pass (the persistent grid)."""
+  from sagejax.backends.pallas_triton import smoothed  # pylint: disable=g-import-not-at-top
+  from sagejax.kernels import triton_backward  # pylint: disable=g-import-not-at-top
+  b, t, n, kh, h = 2, 512, 4, 2, 128
+  q, k, v = _data(b, t, t, n, kh, h, kind="qkv_channel_bias")
+  q_lengths = jnp.array([t, 300 if causal else t], jnp.int32)
+  lengths = dict(query_seq_lengths=q_lengths) if causal else {}
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  call = _inputs.parse(q, k, v, is_causal=causal, **lengths)
+  assert mosaic.BACKEND.saves_lse2(call, config)
+  tiling = mosaic.default_tiling(h, config, call)
+  assert tiling.quantize_q is causal and tiling.persistent is not causal
+
+  def run(q, k, v):
+    call = _inputs.parse(q, k, v, is_causal=causal, **lengths)
+    out, lse, lse2 = mosaic.BACKEND.forward_residual(call, config)
+    k_mean = smoothed(k, jnp.full((b,), t, jnp.int32), "BTNH", h, t)[1]
+    want, _ = triton_backward.saved_statistics(
+        q, lse, k_mean, q_lengths=q_lengths, sm_scale=call.sm_scale,
+        layout="BTNH")
+    return lse, lse2, want
+
+  _poison(8 * q.size * 4)
+  lse, lse2, want = jax.jit(run)(q, k, v)
+  rows = np.broadcast_to(
+      np.arange(t)[None, None, :] < np.asarray(q_lengths)[:, None, None],
+      (b, n, t))
+  assert np.all(np.isfinite(np.asarray(lse))[rows])
+  assert np.all(np.asarray(lse2)[~rows] == np.inf)
+  np.testing.assert_array_equal(np.asarray(want)[~rows], np.inf)
+  np.testing.assert_allclose(np.asarray(lse2)[rows], np.asarray(want)[rows],
+                             rtol=1e-5, atol=2e-3)
+
+
+@gpu
+@needs_hopper
 def test_gpu_default_implementation_is_mosaic():
   q, k, v = _data(1, 256, 256, 4, 4, 64)
   from sagejax import backends
@@ -626,6 +668,40 @@ def test_backward_lowers_for_cuda(layout, h, masks, saved, fused_dq):
   assert text.count("mosaic_gpu_v2") == want, text.count("mosaic_gpu_v2")
   if fused_dq:
     assert "cp.reduce.async.bulk.tensor" in text
+
+
+@pytest.mark.parametrize("layout,causal", [("BTNH", True), ("BNTH", False)])
+def test_backward_from_the_forwards_lse2_lowers_for_cuda(layout, causal):
+  """The training forward keeping lse₂ (``forward_residual``) and the
+  backward taking it (``saved_lse2``: δ alone from O and dO) lower for CUDA
+  on the CPU: the forward kernel and the fused backward kernel."""
+  q, k, v = _data(2, 300, 300, 4, 2, 128, layout=layout)
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+
+  def f(q, k, v, do):
+    call = _inputs.parse(q, k, v, layout=layout, is_causal=causal)
+    assert mosaic.BACKEND.saves_lse2(call, config)
+    out, _, lse2 = mosaic.BACKEND.forward_residual(call, config)
+    return mosaic.BACKEND.backward(call, config, do, None, (out, lse2),
+                                   saved_lse2=True)
+
+  text = jax.jit(f).trace(q, k, v, q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu_v2") == 2
+  assert "cp.reduce.async.bulk.tensor" in text
+
+
+def test_saves_lse2_only_for_its_own_smoothed_saved_statistics():
+  """lse₂ is kept only where this backend's backward takes the saved
+  statistics and the forward smoothed K by the k̄ the backward uses."""
+  q, k, v = _data(1, 64, 64, 4, 2, 128)
+  call = _inputs.parse(q, k, v)
+  auto = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  assert mosaic.BACKEND.saves_lse2(call, auto)
+  assert not mosaic.BACKEND.saves_lse2(call, auto.replace(smooth_k=False))
+  assert not mosaic.BACKEND.saves_lse2(
+      call, auto.replace(backward_stats="recompute"))
+  assert not mosaic.BACKEND.saves_lse2(call, auto.replace(backward_int8=True))
 
 
 def _fused_backward_lowered(h, layout, causal=False, **tiling_fields):

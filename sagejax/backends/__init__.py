@@ -19,7 +19,11 @@ call, config)`` (None, or why not) and ``backward(call, config, d_out, d_lse,
 saved)``, see :class:`BackwardBackend`. The custom VJP uses the backward of
 the backend that ran the forward when it has one and it serves the call
 (else another kernel backend's: :func:`backward_of`), and the exact FP32
-``"xla"`` backward (:mod:`sagejax._vjp`) otherwise.
+``"xla"`` backward (:mod:`sagejax._vjp`) otherwise. A backend whose
+backward would rather have another row statistic than the LSE saved (the
+Mosaic one: lse₂, so that its backward need not read Q) declares
+``saves_lse2(call, config)`` and ``forward_residual(call, config) ->
+(output, lse, lse₂)``; its own backward then gets ``saved_lse2=True``.
 
 Choosing a backend (``implementation=None``) happens per platform at lowering
 time (:func:`plan`, :func:`sagejax._platforms.platform_dependent`), so that a

@@ -195,8 +195,10 @@ class _MosaicBackend:
 
   def kernel(self, prepared: Prepared, call: ParsedCall, config: SageConfig,
              tiling: Optional[MosaicTiling] = None,
-             profile_dir: Optional[str] = None):
-    """The attention kernel alone on prepared inputs: (output, lse);
+             profile_dir: Optional[str] = None, smoothed_lse: bool = False):
+    """The attention kernel alone on prepared inputs: (output, lse), and
+    with ``smoothed_lse`` the LSE of the logits of K smoothed by
+    ``prepared``'s k̄ (the LSE less its row shift q·k̄·scale);
     ``profile_dir``: see :func:`attention_forward`."""
     b, n, t, h, _, _ = call.dims
     qkv = prepared.qkv
@@ -206,7 +208,7 @@ class _MosaicBackend:
     else:
       q, q_layout = prepared.q_raw, call.layout
       quantize_q = quantize_q_in_kernel(call, config)
-    out, lse = attention_forward(
+    out, lse, lse_smoothed = attention_forward(
         q, qkv.q_scale, qkv.k, qkv.k_scale, qkv.v, qkv.v_scale,
         qkv.v_mean, qkv.delta_s, call.spec, q_lengths=prepared.q_lengths,
         kv_lengths=prepared.kv_lengths, config_block_q=config.block_q,
@@ -215,19 +217,39 @@ class _MosaicBackend:
         k_scale_grouped=k_scale_grouped(config), quantize_q=quantize_q,
         k_mean=prepared.k_mean, q_layout=q_layout,
         v_layout=prepared.v_layout, tiling=tiling,
-        profile_dir=profile_dir)
+        profile_dir=profile_dir, return_smoothed_lse=True)
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]
     else:
       out = out[:, :, :t, :h]
-    lse = lse[:, :, :t]
+    lse, lse_smoothed = lse[:, :, :t], lse_smoothed[:, :, :t]
     if qkv.lse_shift is not None:
       lse = lse + qkv.lse_shift
-    return out, lse
+    return (out, lse, lse_smoothed) if smoothed_lse else (out, lse)
 
   def forward(self, call: ParsedCall, config: SageConfig
               ) -> tuple[jax.Array, jax.Array]:
     return self.kernel(self.prepare(call, config), call, config)
+
+  def saves_lse2(self, call: ParsedCall, config: SageConfig) -> bool:
+    """Whether the forward under ``jax.grad`` keeps lse₂ for this backend's
+    backward instead of the LSE (:meth:`forward_residual`): with saved
+    statistics and K smoothed by the k̄ the backward takes out too
+    (:func:`sagejax.quant.sampled_mean` of the same tokens)."""
+    return (config.saved_stats and config.smooth_k
+            and self.backward_unsupported(call, config) is None)
+
+  def forward_residual(self, call: ParsedCall, config: SageConfig
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(output, LSE, lse₂): lse₂ f32 ``[B, N, T]`` is the base-2 LSE of the
+    logits of smoothed K (+inf for a row that sees no key, NaN kept), what
+    the backward's kernels take, so that the backward need not read Q for
+    it (NOTES B23)."""
+    out, lse, smoothed_lse = self.kernel(self.prepare(call, config), call,
+                                         config, smoothed_lse=True)
+    lse2 = jnp.where(smoothed_lse == -jnp.inf, jnp.inf,
+                     smoothed_lse * quant.LOG2E)
+    return out, lse, lse2
 
   backward_tiling: Optional[MosaicBackwardTiling] = None
 
@@ -247,9 +269,12 @@ class _MosaicBackend:
   def backward(self, call: ParsedCall, config: SageConfig, d_out: jax.Array,
                d_lse: Optional[jax.Array],
                saved: Optional[tuple[jax.Array, jax.Array]],
-               tiling: Optional[MosaicBackwardTiling] = None):
+               tiling: Optional[MosaicBackwardTiling] = None,
+               saved_lse2: bool = False):
     """Gradients of exact attention by the Mosaic backward kernels; see
-    :class:`sagejax.backends.BackwardBackend`."""
+    :class:`sagejax.backends.BackwardBackend`. ``saved_lse2``: ``saved``
+    holds lse₂ of :meth:`forward_residual` in place of the LSE (where
+    :meth:`saves_lse2`)."""
     b, n, t, h, kh, s = call.dims
     hp = max(64, next_pow2(h))
     out, lse = (None, None) if saved is None else saved
@@ -279,12 +304,17 @@ class _MosaicBackend:
     else:
       vc = pad(call.v, s_pad)
     q, do = pad(call.q), pad(d_out)
+    if saved_lse2 and (out is None or lse is None):
+      raise ValueError("saved_lse2 needs the saved output and lse₂.")
     if lse is None:  # the estimate jax.grad keeps: the quantized forward's
       lse = self.forward(call, config)[1]
-    # One pass over Q (and O, dO): lse₂ of the smoothed logits (the LSE
-    # minus the row shift q·k̄) and δ = rowsum(dO ∘ O) − dLSE.
+    # One pass over O, dO (and Q unless the forward kept lse₂): lse₂ of the
+    # smoothed logits (the LSE minus the row shift q·k̄) and δ =
+    # rowsum(dO ∘ O) − dLSE.
     lse2, delta = triton_backward.saved_statistics(
-        q, vec(lse, -jnp.inf), k_mean, q_lengths=q_lengths,
+        None if saved_lse2 else q,
+        vec(lse, jnp.inf if saved_lse2 else -jnp.inf),
+        None if saved_lse2 else k_mean, q_lengths=q_lengths,
         sm_scale=call.sm_scale, layout=layout,
         out=None if out is None else pad(out), d_out=do,
         d_lse=None if d_lse is None else vec(d_lse))

@@ -519,7 +519,8 @@ def attention_forward(
     v_layout: str = "BNTH",
     tiling: MosaicTiling = MosaicTiling(),
     profile_dir: Optional[str] = None,
-) -> tuple[jax.Array, jax.Array]:
+    return_smoothed_lse: bool = False,
+) -> tuple[jax.Array, ...]:
   """Runs the Mosaic GPU forward on quantized inputs.
 
   Args:
@@ -551,17 +552,22 @@ def attention_forward(
       once per thread and 64 keys (:func:`grouped_logits`).
     quantize_q: Q quantized in the prologue (:class:`QuantizeQ`).
     k_mean: with ``quantize_q``, f32 ``[B, K, H]``: K's mean, whose row
-      shift ``quantize_q.shift_mult · q·k̄`` the kernel adds to the LSE.
+      shift ``quantize_q.shift_mult · q·k̄`` (made by the kernel) is
+      added to the LSE.
     q_layout: ``q``'s layout, ``"BNTH"`` or (with ``quantize_q``) ``"BTNH"``.
     v_layout: a 16-bit ``v``'s layout, ``"BNTH"`` or ``"BTNH"``.
     profile_dir: write a Perfetto trace of each call's named regions per
       warpgroup (Mosaic GPU's on-device profiler, ``%clock`` stamps) there;
       ``benchmarks/kernel_profile.py`` reads it. The stamps constrain the
       instruction schedule: time with it off.
+    return_smoothed_lse: also return the LSE of the logits the kernel
+      computes, those of K smoothed by ``k_mean`` (without its row shift;
+      the LSE itself where there is no ``k_mean``).
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
-    ``[B, N, T_pad]``); rows that see no key give zeros and −inf.
+    ``[B, N, T_pad]``[, the smoothed logits' LSE]); rows that see no key
+    give zeros and −inf.
   """
   if q_layout == "BTNH":
     b, t_pad, n, h = q.shape
@@ -609,7 +615,7 @@ def attention_forward(
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   pv_dtype = v.dtype
 
-  def kernel(refs, out_ref, lse_ref, scratch):
+  def kernel(refs, out_ref, lse_ref, shift_ref, scratch):
     q_ref, k_ref, ks_ref, v_ref, vs_ref, ql_ref, kl_ref = (
         refs[name] for name in ("q", "k", "ks", "v", "vs", "ql", "kl"))
     vm_ref, ds_ref, vks_ref = refs.get("vm"), refs.get("ds"), refs.get("vks")
@@ -988,14 +994,15 @@ def attention_forward(
       o_smem.at[wg][...] = out.astype(out_dtype)
       p_shift = _LOG2_P_SCALE if fp8 else 0.0
       lse = (m + jnp.log2(jnp.where(seen, l, 1.0)) - p_shift) * quant.LN2
-      if km_ref is not None:  # the row shifts quantize_rows left there
-        lse = lse + load_all(shift_smem.at[wg], row_layout)
       lse_smem.at[wg][...] = jnp.where(seen, lse, -jnp.inf)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(
           o_smem.at[wg], tile_rows(out_ref, out_layout, batch, head, row0, bq))
       plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                               lse_ref.at[batch, head, pl.ds(row0, bq)])
+      if shift_ref is not None:  # the row shifts quantize_rows left there
+        plgpu.copy_smem_to_gmem(shift_smem.at[wg],
+                                shift_ref.at[batch, head, pl.ds(row0, bq)])
       if base is None:
         plgpu.wait_smem_to_gmem(0)
         return None
@@ -1082,7 +1089,7 @@ def attention_forward(
 
   def entry(*all_refs):
     refs = dict(zip(names, all_refs[:len(names)]))
-    out_ref, lse_ref = all_refs[len(names):]
+    out_ref, lse_ref, *shift_ref = all_refs[len(names):]
     ds_ref = refs.get("ds")
     v_tile = (stages, h, bkv) if fp8 else (stages, bkv, h)
     q_bufs = (2, nc) if persistent else (nc,)  # per tile, per consumer
@@ -1106,7 +1113,8 @@ def attention_forward(
     q_arrivals = 2 + sum(name in refs for name in ("qs", "km", "vm"))
     k_arrivals = 2 + (ds_ref is not None) + ("vks" in refs)
     pl.run_scoped(
-        lambda *scratch: kernel(refs, out_ref, lse_ref, scratch),
+        lambda *scratch: kernel(refs, out_ref, lse_ref,
+                                (shift_ref or [None])[0], scratch),
         smem,
         (plgpu.Barrier(num_arrivals=q_arrivals,
                        num_barriers=math.prod(q_bufs)),
@@ -1127,10 +1135,11 @@ def attention_forward(
   else:
     grid, grid_names = (n, num_q_tiles, b), ("heads", "q_tiles", "batch")
     profile_steps = num_kv_blocks
-  return plgpu.kernel(
+  rows = jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)
+  out, lse, *shift = plgpu.kernel(
       entry,
-      out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),
-                jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype), rows)
+      + ((rows,) if k_mean is not None else ()),
       grid=grid,
       grid_names=grid_names,
       num_threads=nc + 1,
@@ -1138,6 +1147,10 @@ def attention_forward(
       compiler_params=plgpu.CompilerParams(
           approx_math=True, **_profile_params(profile_dir, profile_steps)),
   )(*(inputs[name] for name in names))
+  smoothed_lse = lse
+  if shift:  # the LSE of the logits q·k, from that of q·(k − k̄)
+    lse = lse + shift[0]
+  return (out, lse, smoothed_lse) if return_smoothed_lse else (out, lse)
 
 
 def _profile_params(profile_dir: Optional[str], num_kv_blocks: int) -> dict:

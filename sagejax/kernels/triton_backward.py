@@ -210,13 +210,17 @@ def _saved_rows_kernel(o_ref, do_ref, lse_ref, dlse_ref, q_ref, km_ref,
                        ql_ref, lse2_ref, delta_ref, *, block: int,
                        sm_scale: float):
   """lse₂ = (LSE − sm_scale·q·k̄)·log2 e and δ = rowsum(dO ∘ O) − dLSE of a
-  block of rows, reading Q, O and dO once: :func:`saved_statistics`."""
-  i = pl.program_id(0)
-  valid = (i * block + jnp.arange(block)) < ql_ref[...]
-  q = jnp.where(valid[:, None], q_ref[...].astype(jnp.float32), 0.0)
-  lse = lse_ref[...] - jnp.sum(q * km_ref[...][None, :], axis=1) * sm_scale
-  seen = lse != -_INF  # a NaN LSE is seen: it reaches the gradients
-  lse2_ref[...] = jnp.where(seen, lse * quant.LOG2E, _INF)
+  block of rows, reading Q, O and dO once: :func:`saved_statistics`.
+  Without ``q_ref``, ``lse_ref`` holds lse₂ already: δ alone."""
+  if q_ref is None:
+    seen = lse_ref[...] != _INF
+  else:
+    i = pl.program_id(0)
+    valid = (i * block + jnp.arange(block)) < ql_ref[...]
+    q = jnp.where(valid[:, None], q_ref[...].astype(jnp.float32), 0.0)
+    lse = lse_ref[...] - jnp.sum(q * km_ref[...][None, :], axis=1) * sm_scale
+    seen = lse != -_INF  # a NaN LSE is seen: it reaches the gradients
+    lse2_ref[...] = jnp.where(seen, lse * quant.LOG2E, _INF)
   if delta_ref is not None:
     delta = jnp.sum(o_ref[...].astype(jnp.float32)
                     * do_ref[...].astype(jnp.float32), axis=1)
@@ -225,7 +229,8 @@ def _saved_rows_kernel(o_ref, do_ref, lse_ref, dlse_ref, q_ref, km_ref,
     delta_ref[...] = jnp.where(seen, delta, 0.0)
 
 
-def saved_statistics(q: jax.Array, lse: jax.Array, k_mean: jax.Array, *,
+def saved_statistics(q: Optional[jax.Array], lse: jax.Array,
+                     k_mean: Optional[jax.Array], *,
                      q_lengths: jax.Array, sm_scale: float, layout: str,
                      out: Optional[jax.Array] = None,
                      d_out: Optional[jax.Array] = None,
@@ -236,48 +241,59 @@ def saved_statistics(q: jax.Array, lse: jax.Array, k_mean: jax.Array, *,
 
   Args:
     q: ``[B, T_pad, N, H]`` (``layout="BTNH"``) or ``[B, N, T_pad, H]``;
-      rows at or past ``q_lengths`` count as zeros.
+      rows at or past ``q_lengths`` count as zeros. None when ``lse`` is
+      lse₂ already (the forward's: ``mosaic.forward_residual``); then only
+      δ is made, from ``out`` and ``d_out`` alone.
     lse: f32 ``[B, N, T_pad]``, the forward's natural-log LSE (−inf where a
-      row sees no key).
-    k_mean: f32 ``[B, K, H]``, the k̄ the backward takes out of K.
+      row sees no key), or lse₂ without ``q``.
+    k_mean: f32 ``[B, K, H]``, the k̄ the backward takes out of K (None
+      without ``q``).
     out, d_out: the forward's output and its cotangent (``q``'s layout), or
       None for lse₂ alone.
     d_lse: f32 ``[B, N, T_pad]`` or None.
 
   Returns:
     ``(lse₂, δ)``, f32 ``[B, N, T_pad]``: lse₂ the base-2 LSE of the logits
-    of smoothed K (+inf for a row that sees no key, NaN kept), δ =
-    rowsum(dO ∘ O) − dLSE (0 for a row that sees no key), or None without
-    ``out``.
+    of smoothed K (+inf for a row that sees no key, NaN kept; ``lse``
+    itself without ``q``), δ = rowsum(dO ∘ O) − dLSE (0 for a row that sees
+    no key), or None without ``out``.
   """
+  if (q is None) != (k_mean is None) or (q is None and out is None):
+    raise ValueError("Pass q with k_mean (lse₂ from the LSE), or neither "
+                     "with out and d_out (δ alone, lse being lse₂).")
+  rows_of = q if q is not None else out
   if layout == "BTNH":
-    b, t_pad, n, h = q.shape
+    b, t_pad, n, h = rows_of.shape
     rows = pl.BlockSpec((None, block, None, h), lambda i, bb, nn: (bb, i, nn, 0))
   else:
-    b, n, t_pad, h = q.shape
+    b, n, t_pad, h = rows_of.shape
     rows = pl.BlockSpec((None, None, block, h), lambda i, bb, nn: (bb, nn, i, 0))
   if t_pad % block:
     raise ValueError(f"{t_pad} rows is not a multiple of block={block}.")
-  g = n // k_mean.shape[1]
   vec = pl.BlockSpec((None, None, block), lambda i, bb, nn: (bb, nn, i))
   vec_shape = jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)
   with_delta = out is not None
+  with_q = q is not None
+  g = n // k_mean.shape[1] if with_q else 1
   kernel = functools.partial(_saved_rows_kernel, block=block,
                              sm_scale=float(sm_scale))
   lse2, delta = pl.pallas_call(
       kernel, grid=(t_pad // block, b, n),
       in_specs=[rows if with_delta else None, rows if with_delta else None,
-                vec, None if d_lse is None else vec, rows,
+                vec, None if d_lse is None else vec,
+                rows if with_q else None,
                 pl.BlockSpec((None, None, h), lambda i, bb, nn: (bb, nn // g,
-                                                                 0)),
+                                                                 0))
+                if with_q else None,
                 pl.BlockSpec((None,), lambda i, bb, nn: (bb,))],
-      out_specs=[vec, vec if with_delta else None],
-      out_shape=[vec_shape, vec_shape if with_delta else None],
+      out_specs=[vec if with_q else None, vec if with_delta else None],
+      out_shape=[vec_shape if with_q else None,
+                 vec_shape if with_delta else None],
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret, name="sage_attention_bwd_saved_rows",
   )(out if with_delta else None, d_out if with_delta else None, lse, d_lse,
     q, k_mean, q_lengths)
-  return lse2, delta
+  return (lse2 if with_q else lse), delta
 
 
 def _stats_kernel(q_ref, k_ref, v_ref, do_ref, dlse_ref, mask_ref, bias_ref,
