@@ -112,7 +112,7 @@ def test_tiling_validation():
   with pytest.raises(ValueError, match=r"3 \* consumer_registers.*to 160"):
     MosaicTiling(num_consumers=3, producer_registers=32)  # 232 each: hangs
   with pytest.raises(ValueError, match="persistent"):
-    MosaicTiling(persistent=True, quantize_q=True)
+    MosaicTiling(persistent=True, overlap_qk=True)
   with pytest.raises(ValueError, match="num_ctas"):
     MosaicTiling(persistent=True, num_ctas=0)
   assert MosaicTiling(num_consumers=3, consumer_registers=160,
@@ -163,12 +163,15 @@ WARP16 = dict(num_warps=8)  # 16-row warps: SageAttention2's sm90 Q groups
 def test_q_is_quantized_in_the_kernel_where_its_groups_allow(config, dtype,
                                                              rows):
   """With ``MosaicTiling(quantize_q=True)``, 16-bit Q whose groups lie in
-  one 16-row wgmma warp is quantized in the kernel's prologue (no Q pass);
-  other configs, and the default tiling, keep the Pallas pass."""
+  one 16-row wgmma warp is quantized in the kernel's prologue (no Q pass),
+  on the hardware's grid or the persistent one; other configs, and the
+  default tiling, keep the Pallas pass."""
   q, k, v = _data(1, 300, 200, 4, 2, 128, dtype=dtype)
   quantize_q = mosaic.quantize_q_in_kernel(_inputs.parse(q, k, v), config)
   assert (None if quantize_q is None else quantize_q.rows_per_group) == rows
   for tiling, expect in ((MosaicTiling(quantize_q=True), rows is not None),
+                         (MosaicTiling(quantize_q=True, persistent=True,
+                                       num_ctas=5), rows is not None),
                          (MosaicTiling(), False)):
     def f(q, k, v, tiling=tiling):
       call = _inputs.parse(q, k, v, is_causal=True)
@@ -217,6 +220,37 @@ def test_persistent_schedule_takes_every_tile_once(b, n, num_q_tiles,
       1, n, num_q_tiles)) == ((0, 1, 0) if num_q_tiles > 1 else (1, 0, 0))
 
 
+@pytest.mark.parametrize("b,n,num_q_tiles,num_ctas", [
+    (2, 4, 6, 5), (2, 4, 6, 7), (2, 32, 32, 132), (4, 32, 128, 132),
+    (1, 3, 1, 132), (2, 3, 21, 11)])
+def test_snake_schedule_takes_every_tile_once_and_evens_out_causal_work(
+    b, n, num_q_tiles, num_ctas):
+  """Causal persistent tiles: every (head, query tile, batch) once, ranks
+  in groups of RANK_GROUP in order (heaviest first), and each CTA's KV
+  blocks (rank r of T tiles holds T − r under a causal mask) within a
+  tile's work of the others'."""
+  group = mosaic_attention.RANK_GROUP
+  num_tiles = b * n * num_q_tiles
+  num_ctas = min(num_ctas, num_tiles)
+  seen, work = [], []
+  for cta in range(num_ctas):
+    count = int(mosaic_attention.persistent_tiles(cta, num_tiles, num_ctas,
+                                                  snake=True))
+    blocks = 0
+    for i in range(count):
+      index = int(mosaic_attention.persistent_index(cta, i, num_ctas,
+                                                    snake=True))
+      head, rank, batch = (int(x) for x in mosaic_attention.ranked_tile(
+          index, n, b, num_q_tiles))
+      assert rank // group == index // (group * n * b)
+      seen.append((batch, head, rank))
+      blocks += num_q_tiles - rank
+    work.append(blocks)
+  assert sorted(seen) == [(bb, hh, tt) for bb in range(b) for hh in range(n)
+                          for tt in range(num_q_tiles)]
+  assert max(work) - min(work) <= num_q_tiles, (min(work), max(work))
+
+
 @pytest.mark.parametrize("layout,lengths,dtype,want", [
     ("BTNH", False, jnp.bfloat16, True), ("BNTH", False, jnp.bfloat16, True),
     ("BTNH", True, jnp.bfloat16, False), ("BTNH", False, jnp.float16, False)])
@@ -237,35 +271,40 @@ def test_16_bit_pv_reads_v_in_place(layout, lengths, dtype, want):
   assert ("sage_token_statistics" in text) == want
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_training_forward_quantizes_q_off_the_persistent_grid(causal):
+@pytest.mark.parametrize("window", [True, False])
+def test_training_forward_quantizes_q_off_the_persistent_grid(window):
   """The forward under jax.grad (sage2-8b differentiated: BF16 P·V, 16-row
   Q warps) quantizes Q in the kernel's prologue on the hardware's grid
-  (causal here) and by a pass on the persistent grid (NOTES B21)."""
+  (a causal window here) and by a pass on the persistent grid (causal
+  alone; NOTES B21, section 15)."""
   q, k, v = _data(2, 256, 256, 4, 2, 128)
   config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
-  call = _inputs.parse(q, k, v, is_causal=causal)
+  kw = dict(is_causal=True, local_window_size=(100, 0) if window else None)
+  call = _inputs.parse(q, k, v, **kw)
   tiling = mosaic.default_tiling(128, config, call)
-  assert tiling.quantize_q == causal and tiling.persistent != causal
+  assert tiling.quantize_q == window and tiling.persistent != window
   text = jax.jit(lambda q, k, v: mosaic.BACKEND.forward(_inputs.parse(
-      q, k, v, is_causal=causal), config)).trace(q, k, v).lower(
+      q, k, v, **kw), config)).trace(q, k, v).lower(
           lowering_platforms=("cuda",)).as_text()
-  assert ("sage_quantize_q" in text) != causal
+  assert ("sage_quantize_q" in text) != window
   # The FP8 forward keeps the pass.
   assert not mosaic.default_tiling(128, PRESETS["sage2-8b"], call).quantize_q
 
 
-def test_default_tiling_is_persistent_only_for_uniform_tiles():
-  """The persistent grid (a static tile order) is the default where every
-  query tile does the same work: H=128, at most 4096 keys, no causal mask,
-  window, lengths or mask array; the hardware's grid balances the rest."""
+def test_default_tiling_is_persistent_only_for_ordered_tiles():
+  """The persistent grid (a static tile order) is the default where it
+  knows each query tile's work: H=128, at most 4096 keys, no window,
+  lengths or mask array (a causal mask alone: tiles dealt heaviest first);
+  the hardware's grid balances the rest."""
   q, k, v = _data(2, 200, 300, 4, 2, 128)
   config = PRESETS["sage2-8b"]
   pick = lambda **kw: mosaic.default_tiling(128, config,
                                             _inputs.parse(q, k, v, **kw))
   assert pick().persistent
   assert pick().consumer_registers == 240
-  assert not pick(is_causal=True).persistent
+  assert pick(is_causal=True).persistent
+  assert not pick(is_causal=True, key_value_seq_lengths=jnp.array(
+      [300, 100])).persistent
   assert not pick(local_window_size=(50, 3)).persistent
   assert not pick(key_value_seq_lengths=jnp.array([300, 99])).persistent
   assert not mosaic.default_tiling(128, config).persistent  # no call
@@ -335,6 +374,9 @@ GPU_CASES = [
     ("sage2-4b", (2, 1000, 1000, 8, 4, 128), dict(is_causal=True)),
     ("sage2-4b", (1, 300, 2000, 4, 2, 64),
      dict(causal_alignment="bottom_right", is_causal=True, lengths=True)),
+    # causal alone: the persistent grid, tiles dealt heaviest first
+    ("sage2-8b", (2, 700, 1500, 8, 4, 128),
+     dict(is_causal=True, causal_alignment="bottom_right")),
 ]
 
 
@@ -473,14 +515,17 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
 
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("granularity,layout", [
-    ("per_thread", "BTNH"), ("per_thread", "BNTH"), ("per_warp", "BTNH"),
-    ("per_token", "BNTH")])
-def test_gpu_kernel_quantizing_q_matches_xla_arithmetic(granularity, layout):
+@pytest.mark.parametrize("granularity,layout,persistent", [
+    ("per_thread", "BTNH", False), ("per_thread", "BNTH", False),
+    ("per_warp", "BTNH", False), ("per_token", "BNTH", False),
+    ("per_thread", "BTNH", True), ("per_token", "BNTH", True)])
+def test_gpu_kernel_quantizing_q_matches_xla_arithmetic(granularity, layout,
+                                                       persistent):
   """Q quantized in the kernel's prologue (bf16 Q read in place, rows past
   the query length zeroed, one NaN row) == quant.py's quantization with the
   same groups (16-row warps), then the "xla" arithmetic; the LSE includes
-  the row shift of K smoothing."""
+  the row shift of K smoothing. ``persistent``: 5 CTAs taking ~5 tiles
+  each, the next tile's Q loaded once this one's is quantized."""
   config = PRESETS["sage2-8b"].replace(qk_granularity=granularity, **WARP16)
   b, t, s, n, kh, h = 2, 384, 640, 4, 2, 128
   q, k, v = _data(b, t, s, n, kh, h, kind="qkv_channel_bias", layout=layout)
@@ -510,7 +555,9 @@ def test_gpu_kernel_quantizing_q_matches_xla_arithmetic(granularity, layout):
       *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
       out_dtype=jnp.float32, out_layout="BNTH",
       k_scale_grouped=mosaic.k_scale_grouped(config),
-      quantize_q=quantize_q, k_mean=k_mean, q_layout=layout))(
+      quantize_q=quantize_q, k_mean=k_mean, q_layout=layout,
+      tiling=MosaicTiling(persistent=True, num_ctas=5)
+      if persistent else MosaicTiling()))(
           q, None, qkv.k, qkv.k_scale, v_t, qkv.v_scale, None, None)
   got, got_lse = got[:, :, :t], got_lse[:, :, :t]
   rows = np.arange(t)[None, None, :] < np.asarray(lengths[0])[:, None, None]

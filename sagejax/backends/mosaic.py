@@ -57,19 +57,20 @@ def default_tiling(head_dim: int, config: SageConfig,
   turns around their exponentials (+10-12% over 128-key steps meeting
   around the products); 16-bit P·V (``sage1``, the training forward) keeps
   128-key steps (256 were not measured there). At H=128, a ``call`` of at
-  most 4096 keys whose query tiles all see every key (no causal mask,
-  window or lengths: equal work per tile) runs the persistent grid with
-  240/24 registers (section 11, H100: FP8 P·V kernel +10% at 1k, +2% at 4k,
-  −1% at 16k; 16-bit P·V +8% at 2k, +3% at 4k; the static tile order loses
-  6-9% to uneven causal tiles, which stay on the hardware's grid). Off the
-  persistent grid, a 16-bit P·V kernel quantizes Q itself where
-  :func:`quantize_q_in_kernel` allows (B21)."""
+  most 4096 keys whose tiles' work the kernel knows (:func:`ordered_tiles`)
+  runs the persistent grid with 240/24 registers (section 11, H100: FP8
+  P·V kernel +10% at 1k, +2% at 4k, −1% at 16k; 16-bit P·V +8% at 2k, +3%
+  at 4k; section 15: causal tiles dealt heaviest first, back and forth,
+  +3-6% at 4k, equal at 16k), Q quantized by the pass. Off the persistent
+  grid, a 16-bit P·V kernel quantizes Q itself where
+  :func:`quantize_q_in_kernel` allows (B21; on the persistent grid that
+  measured 5-15% slower, section 15)."""
   if head_dim <= 64:
     if config.pv_dtype == "fp8_e4m3":
       return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
     return MosaicTiling(block_kv=128, num_stages=3)
   if (call is not None and call.dims[5] <= PERSISTENT_MAX_KEYS
-      and uniform_tiles(call)):
+      and ordered_tiles(call)):
     return MosaicTiling(block_kv=128, num_stages=2, persistent=True,
                         consumer_registers=240, producer_registers=24)
   # 16-bit P·V (the training forward): Q quantized in the prologue where
@@ -80,12 +81,15 @@ def default_tiling(head_dim: int, config: SageConfig,
       and quantize_q_in_kernel(call, config) is not None))
 
 
-def uniform_tiles(call: ParsedCall) -> bool:
-  """Whether every query tile of ``call`` sees all keys: no causal mask,
+def ordered_tiles(call: ParsedCall) -> bool:
+  """Whether the persistent grid's static order can even out ``call``'s
+  tiles: all do the same work, or a causal mask alone makes it fall with
+  the query tile (dealt heaviest first, back and forth:
+  :func:`sagejax.kernels.mosaic_attention.persistent_index`). Not with a
   window, lengths, mask or bias array."""
-  return (not call.spec.is_causal and call.spec.window is None
-          and call.q_lengths is None and call.kv_lengths is None
-          and call.mask is None and call.bias is None)
+  return (call.spec.window is None and call.q_lengths is None
+          and call.kv_lengths is None and call.mask is None
+          and call.bias is None)
 
 
 def default_backward_tiling(head_dim: int, fused_dq: bool = False

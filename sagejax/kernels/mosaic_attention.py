@@ -103,12 +103,14 @@ class MosaicTiling:
       most KV blocks) start first, so that the grid's last wave holds the
       shortest ones (CTAs start in grid order).
     persistent: a grid of ``num_ctas`` CTAs, each taking the query tiles
-      ``cta, cta + num_ctas, ...`` in turn (tile order as the grid's
-      otherwise): its producer streams the next tile's K/V while the
-      consumers finish the current one, and each consumer loads its next
-      tile's Q during the current tile (a per-CTA prologue and epilogue
-      once per kernel, not once per tile). Not with ``quantize_q`` or
-      ``overlap_qk``.
+      ``cta, cta + num_ctas, ...`` in turn (under a causal mask the tiles
+      sorted heaviest first and dealt back and forth:
+      :func:`persistent_index`): its producer streams the next tile's K/V
+      while the consumers finish the current one, and each consumer loads
+      its next tile's Q during the current tile (a per-CTA prologue and
+      epilogue once per kernel, not once per tile; with ``quantize_q``
+      the next tile's 16-bit Q is loaded once this tile's is quantized).
+      Not with ``overlap_qk``.
     num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
       None: one per SM of the device seen when tracing (132, an H100's or
       H200's, without a GPU: a program exported from a CPU host for a GPU
@@ -131,9 +133,9 @@ class MosaicTiling:
   num_ctas: Optional[int] = None
 
   def __post_init__(self):
-    if self.persistent and (self.quantize_q or self.overlap_qk):
-      raise ValueError("MosaicTiling(persistent=True) takes neither "
-                       "quantize_q nor overlap_qk; pass persistent=False.")
+    if self.persistent and self.overlap_qk:
+      raise ValueError("MosaicTiling(persistent=True) does not take "
+                       "overlap_qk; pass persistent=False.")
     if self.num_ctas is not None and self.num_ctas < 1:
       raise ValueError(f"MosaicTiling.num_ctas must be positive, got "
                        f"{self.num_ctas}.")
@@ -478,11 +480,28 @@ class QueryTile(NamedTuple):
   blocks: tuple
 
 
-def persistent_tiles(cta, num_tiles: int, num_ctas: int):
-  """How many tiles the persistent CTA ``cta`` takes: ``cta, cta +
-  num_ctas, ...`` below ``num_tiles``."""
-  return lax.div(jnp.int32(num_tiles + num_ctas - 1) - cta,
-                 jnp.int32(num_ctas))
+def persistent_tiles(cta, num_tiles: int, num_ctas: int,
+                     snake: bool = False):
+  """How many tiles the persistent CTA ``cta`` takes: the indices
+  :func:`persistent_index` gives it below ``num_tiles``."""
+  if not snake:
+    return lax.div(jnp.int32(num_tiles + num_ctas - 1) - cta,
+                   jnp.int32(num_ctas))
+  full = num_tiles // num_ctas
+  last = cta if full % 2 == 0 else jnp.int32(num_ctas - 1) - cta
+  return jnp.int32(full) + (jnp.asarray(last) < num_tiles % num_ctas
+                            ).astype(jnp.int32)
+
+
+def persistent_index(cta, i, num_ctas: int, snake: bool = False):
+  """The tile index of the persistent CTA ``cta``'s ``i``-th tile: ``cta +
+  i · num_ctas``; with ``snake``, dealt back and forth (rounds of
+  ``num_ctas`` tiles, every other round in reverse), so that tiles sorted
+  by decreasing work even out over the CTAs (:func:`ranked_tile`)."""
+  if not snake:
+    return cta + i * num_ctas
+  back = jnp.int32(num_ctas - 1) - cta
+  return i * num_ctas + jnp.where(lax.rem(i, jnp.int32(2)) == 0, cta, back)
 
 
 def persistent_tile(index, num_heads: int, num_q_tiles: int):
@@ -495,6 +514,32 @@ def persistent_tile(index, num_heads: int, num_q_tiles: int):
                  jnp.int32(num_heads))
   batch = lax.div(index, jnp.int32(num_heads * num_q_tiles))
   return head, qt, batch
+
+
+RANK_GROUP = 8  # query tiles of one head taken side by side (ranked_tile)
+
+
+def ranked_tile(index, num_heads: int, batch_size: int, num_q_tiles: int,
+                group: int = RANK_GROUP):
+  """(head, rank, batch) of tile ``index`` in rank order, nearly: ranks in
+  groups of ``group`` (the heaviest group first under a causal mask, with
+  ``heavy_first``), within a group every head and batch, and within those
+  the group's ranks fastest, so that the CTAs at work at any time share
+  each head's K/V ``group`` ways in L2 (heads fastest alone made every CTA
+  read its own head's K/V: −9% at B=4, 4k, NOTES section 15)."""
+  pairs = num_heads * batch_size
+  full, last = divmod(num_q_tiles, group)
+  first_of_last = jnp.int32(full * group * pairs)
+  in_last = index >= first_of_last
+  size = jnp.where(in_last, jnp.int32(max(last, 1)), jnp.int32(group))
+  offset = jnp.where(in_last, index - first_of_last,
+                     lax.rem(index, jnp.int32(group * pairs)))
+  start = jnp.where(in_last, jnp.int32(full * group),
+                    lax.div(index, jnp.int32(group * pairs)) * group)
+  pair = lax.div(offset, size)
+  rank = start + lax.rem(offset, size)
+  return (lax.rem(pair, jnp.int32(num_heads)), rank,
+          lax.div(pair, jnp.int32(num_heads)))
 
 
 def tile_rows(ref, layout: str, batch, head, start, size: int):
@@ -606,9 +651,6 @@ def attention_forward(
   ds_rows = None if delta_s is None else config_block_q // rows_cta
   num_q_tiles = t_pad // rows_cta
   persistent = tiling.persistent
-  if persistent and quantize_q is not None:
-    raise ValueError("a persistent kernel quantizes no Q: pass "
-                     "quantize_q=None.")
   num_tiles = n * num_q_tiles * b
   num_ctas = min(num_tiles, tiling.num_ctas or sm_count())
   row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -646,10 +688,17 @@ def attention_forward(
     if persistent:  # this CTA's tiles: cta, cta + num_ctas, ...
       wg = lax.axis_index("wg")
       cta = lax.axis_index("ctas")
-      my_tiles = persistent_tiles(cta, num_tiles, num_ctas)
+      # Causal tiles differ in work: heaviest first, dealt back and forth.
+      snake = spec.is_causal
+      my_tiles = persistent_tiles(cta, num_tiles, num_ctas, snake)
 
       def tile_of(i):
-        head, qt, batch = persistent_tile(cta + i * num_ctas, n, num_q_tiles)
+        index = persistent_index(cta, i, num_ctas, snake)
+        if snake:
+          head, qt, batch = ranked_tile(index, n, b, num_q_tiles,
+                                        RANK_GROUP)
+        else:
+          head, qt, batch = persistent_tile(index, n, num_q_tiles)
         return tile_info(head, heavy(qt), batch)
     else:
       head = lax.axis_index("heads")
@@ -713,10 +762,12 @@ def attention_forward(
                                 mine(vm_smem, buf), bar)
       return row0
 
-    def consumer_tile(t, buf=None, base=None):
+    def consumer_tile(t, buf=None, base=None, prefetch=None):
       """Tile ``t``: the KV loop and the output. Persistent (``buf``: the
       tile's Q buffer, ``base``: the ring's step count before it): its Q
-      was loaded ahead; returns the step count after it."""
+      was loaded ahead; returns the step count after it. ``prefetch``
+      (persistent, ``quantize_q``): starts the next tile's loads once this
+      tile's 16-bit Q (one buffer) has been quantized."""
       head, qt, batch, kv_head, q_len, kv_len, cta_first, blocks = t
       blo, fblo, fbhi, bhi = blocks
 
@@ -740,14 +791,15 @@ def attention_forward(
         y = jnp.round(x * inv_scale)
         y = jnp.where(lax.broadcast_in_dim(finite, (bq, h), [0]),
                       jnp.clip(y, -qq.qmax, qq.qmax), 0.0)
-        q_smem.at[wg][...] = y.astype(jnp.int8)
+        mine(q_smem, buf)[...] = y.astype(jnp.int8)
         # The scales and shifts wait in shared memory (no registers held
         # through the KV loop).
-        qs_smem.at[wg][...] = jnp.where(finite, scale * qq.scale_mult, jnp.nan)
+        mine(qs_smem, buf)[...] = jnp.where(finite, scale * qq.scale_mult,
+                                            jnp.nan)
         if km_ref is not None:
           km = load_all(km_smem.at[wg], col_layout)
           shift = (x * lax.broadcast_in_dim(km, (bq, h), [1])).sum(axis=1)
-          shift_smem.at[wg][...] = shift * qq.shift_mult
+          mine(shift_smem, buf)[...] = shift * qq.shift_mult
         plgpu.commit_smem()  # the stores, before the wgmma reads them
 
       def slot_of(j):
@@ -761,7 +813,9 @@ def attention_forward(
       plgpu.barrier_wait(q_barrier(buf))
       if quantize_q is not None:
         with jax.named_scope("quantize_q"):
-          quantize_rows(row0)
+          quantize_rows(row0)  # ends with a warpgroup barrier
+        if prefetch is not None:
+          prefetch()
       qs = load_all(mine(qs_smem, buf), row_layout)
       inv_qs = 1.0 / qs if ds_ref is not None else None
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
@@ -1001,7 +1055,7 @@ def attention_forward(
       plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                               lse_ref.at[batch, head, pl.ds(row0, bq)])
       if shift_ref is not None:  # the row shifts quantize_rows left there
-        plgpu.copy_smem_to_gmem(shift_smem.at[wg],
+        plgpu.copy_smem_to_gmem(mine(shift_smem, buf),
                                 shift_ref.at[batch, head, pl.ds(row0, bq)])
       if base is None:
         plgpu.wait_smem_to_gmem(0)
@@ -1020,10 +1074,14 @@ def attention_forward(
       def next_tile(i, base):
         buf = lax.rem(i, jnp.int32(2))
 
-        @pl.when(i + 1 < my_tiles)  # its buffer's last tile is done
-        def _():
-          load_q(tile_of(i + 1), 1 - buf)
+        def prefetch():
+          @pl.when(i + 1 < my_tiles)  # its buffer's last tile is done
+          def _():
+            load_q(tile_of(i + 1), 1 - buf)
 
+        if quantize_q is not None:  # after this tile's Q left qx_smem
+          return consumer_tile(tile_of(i), buf, base, prefetch)
+        prefetch()
         return consumer_tile(tile_of(i), buf, base)
 
       lax.fori_loop(0, my_tiles, next_tile, jnp.int32(0))
@@ -1107,7 +1165,7 @@ def attention_forward(
         None if "vks" not in refs else plgpu.SMEM((stages, bkv), jnp.float32),
         None if quantize_q is None else wgmma_smem((nc, bq, h), q.dtype),
         None if "km" not in refs else plgpu.SMEM((nc, h), jnp.float32),
-        None if "km" not in refs else plgpu.SMEM((nc, bq), jnp.float32),
+        None if "km" not in refs else plgpu.SMEM((*q_bufs, bq), jnp.float32),
     )
     # Q (and its scales, or K's mean), V's scales and mean.
     q_arrivals = 2 + sum(name in refs for name in ("qs", "km", "vm"))
