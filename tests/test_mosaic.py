@@ -255,9 +255,9 @@ def test_snake_schedule_takes_every_tile_once_and_evens_out_causal_work(
     ("BTNH", False, jnp.bfloat16, True), ("BNTH", False, jnp.bfloat16, True),
     ("BTNH", True, jnp.bfloat16, False), ("BTNH", False, jnp.float16, False)])
 def test_16_bit_pv_reads_v_in_place(layout, lengths, dtype, want):
-  """The BF16-P·V forward (sage2-8b under jax.grad) reads V in place, a
-  statistics pass finding its non-finite channels, where V is in the P·V
-  dtype and no key is past key_value_seq_lengths; else V is copied."""
+  """The BF16-P·V forward (sage2-8b under jax.grad) reads V in place, the
+  K pass finding its non-finite channels, where V is in the P·V dtype and
+  no key is past key_value_seq_lengths; else V is copied."""
   q, k, v = _data(2, 256, 256, 4, 2, 128, layout=layout)
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
@@ -268,7 +268,9 @@ def test_16_bit_pv_reads_v_in_place(layout, lengths, dtype, want):
       q, k, v, layout=layout, **kwargs), config)).trace(q, k, v).lower(
           lowering_platforms=("cuda",)).as_text()
   assert ("sage_quantize_v" in text) != want
-  assert ("sage_token_statistics" in text) == want
+  # V's non-finite channels from the K pass, which reads V too: no pass of
+  # its own.
+  assert "sage_token_statistics" not in text
 
 
 @pytest.mark.parametrize("window", [True, False])

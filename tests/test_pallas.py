@@ -109,6 +109,19 @@ def test_token_statistics_match_quant(layout):
   want = quant.abs_max(quant.zero_padding(vc, lengths), axis=-2)
   np.testing.assert_array_equal(v_amax, want)
   assert np.isinf(v_amax[1, 0]).any() and np.isfinite(v_amax[0]).all()
+  # The K pass reading V beside K (quantize_qk(v=)) gives the same maxima
+  # and K's values as without V (blocks of 32 tokens: S = 96).
+  config = PRESETS["sage2-8b"].replace(block_k=32)
+  with_v = triton_quantize.quantize_qk(
+      k, lengths, k_mean, role="k", config=config, layout=layout, v=v,
+      interpret=True)
+  alone = triton_quantize.quantize_qk(
+      k, lengths, k_mean, role="k", config=config, layout=layout,
+      interpret=True)
+  np.testing.assert_array_equal(with_v[4], want)
+  assert alone[4] is None
+  for a, b in zip(with_v[:2], alone[:2]):
+    np.testing.assert_array_equal(a, b)
 
 
 MASKS = [

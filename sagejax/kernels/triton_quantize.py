@@ -39,8 +39,9 @@ def _token_spec(layout: str, block: int, h: int, head_of=lambda n: n):
                       lambda i, b, n: (b, head_of(n), i, 0))
 
 
-def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, val_ref,
-                        scale_ref, bmean_ref, shift_ref, *, block: int,
+def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
+                        scale_ref, bmean_ref, shift_ref, v_amax_ref, *,
+                        block: int,
                         chunks: int, config: SageConfig, role: str,
                         scale_mult: float, shift_mult: float,
                         interpret: bool):
@@ -79,12 +80,16 @@ def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, val_ref,
   scale_ref[...] = scale * scale_mult
   if shift_ref is not None:
     shift_ref[...] = shift * shift_mult
+  if v_ref is not None:  # V's block max |V|, NaN read as +inf (quant.abs_max)
+    a = jnp.abs(jnp.where(valid, v_ref[...].astype(jnp.float32), 0.0))
+    v_amax_ref[...] = jnp.max(jnp.where(a < jnp.inf, a, jnp.inf), axis=0)
 
 
 def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                 *, role: str, config: SageConfig, layout: str,
                 scale_mult: float = 1.0, k_mean: Optional[jax.Array] = None,
-                shift_mult: float = 1.0, interpret: bool = False):
+                shift_mult: float = 1.0, v: Optional[jax.Array] = None,
+                interpret: bool = False):
   """Quantizes Q or K, one block of tokens of one head per program.
 
   Args:
@@ -99,11 +104,15 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
       return each row's ``shift_mult · q·k̄`` of its KV head, what
       :func:`sagejax.quant.lse_shift` computes (unsmoothed Q, rows past
       ``lengths`` 0), without reading Q again.
+    v: K only: V (K's shape and layout), read in the same programs for its
+      max |V| per channel over the valid tokens (+inf where one is NaN or
+      infinite; :func:`token_statistics`' ``v_amax`` without its launch).
 
   Returns:
     (values int8 ``[B, N, T, H]`` or INT4-packed ``[B, N, T, H/2]``, scales
     f32 ``[B, N, T]``, Q block means f32 ``[B, N, T/block_q, H]`` or None,
-    row shifts f32 ``[B, N, T]`` or None).
+    row shifts f32 ``[B, N, T]`` or None, V's max |V| f32 ``[B, N, H]`` or
+    None).
   """
   if layout == "BTNH":
     b, t, n, h = x.shape
@@ -115,6 +124,8 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
   block_means = role == "q" and config.smooth_q
   if k_mean is not None and role != "q":
     raise ValueError("k_mean (the LSE shift) is for role='q' only.")
+  if v is not None and (role != "k" or v.shape != x.shape):
+    raise ValueError("v (its max |V|) goes with role='k' and K's shape.")
   g = None if k_mean is None else n // k_mean.shape[1]
   kernel = functools.partial(
       _quantize_qk_kernel, block=block, chunks=chunks, config=config,
@@ -139,6 +150,10 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
   else:
     out_shape.append(None)
     out_specs.append(None)
+  out_shape.append(None if v is None else
+                   jax.ShapeDtypeStruct((b, n, nb, h), jnp.float32))
+  out_specs.append(None if v is None else pl.BlockSpec(
+      (None, None, None, h), lambda i, bb, nn: (bb, nn, i, 0)))
   in_specs = [
       _token_spec(layout, block, h),
       pl.BlockSpec((None,), lambda i, bb, nn: (bb,)),
@@ -146,14 +161,17 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                                              lambda i, bb, nn: (bb, nn, 0)),
       None if k_mean is None else pl.BlockSpec(
           (None, None, h), lambda i, bb, nn: (bb, nn // g, 0)),
+      None if v is None else _token_spec(layout, block, h),
   ]
-  values, scales, means, shifts = pl.pallas_call(
+  values, scales, means, shifts, v_amax = pl.pallas_call(
       kernel, grid=(nb, b, n), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       name=f"sage_quantize_{role}",
-  )(x, lengths, mean, k_mean)
-  return values, scales, means, shifts
+  )(x, lengths, mean, k_mean, v)
+  if v_amax is not None:
+    v_amax = jnp.max(v_amax, axis=2)
+  return values, scales, means, shifts, v_amax
 
 
 def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref,
