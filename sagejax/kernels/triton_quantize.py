@@ -39,10 +39,16 @@ def _token_spec(layout: str, block: int, h: int, head_of=lambda n: n):
                       lambda i, b, n: (b, head_of(n), i, 0))
 
 
+def _block_abs_max(v: jax.Array, valid: jax.Array) -> jax.Array:
+  """Max |V| per channel over a block's valid tokens, NaN read as +inf
+  (:func:`sagejax.quant.abs_max`)."""
+  a = jnp.abs(jnp.where(valid, v.astype(jnp.float32), 0.0))
+  return jnp.max(jnp.where(a < jnp.inf, a, jnp.inf), axis=0)
+
+
 def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
                         scale_ref, bmean_ref, shift_ref, v_amax_ref, *,
-                        block: int,
-                        chunks: int, config: SageConfig, role: str,
+                        block: int, chunks: int, config: SageConfig, role: str,
                         scale_mult: float, shift_mult: float,
                         interpret: bool):
   i = pl.program_id(0)
@@ -80,9 +86,8 @@ def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
   scale_ref[...] = scale * scale_mult
   if shift_ref is not None:
     shift_ref[...] = shift * shift_mult
-  if v_ref is not None:  # V's block max |V|, NaN read as +inf (quant.abs_max)
-    a = jnp.abs(jnp.where(valid, v_ref[...].astype(jnp.float32), 0.0))
-    v_amax_ref[...] = jnp.max(jnp.where(a < jnp.inf, a, jnp.inf), axis=0)
+  if v_ref is not None:
+    v_amax_ref[...] = _block_abs_max(v_ref[...], valid)
 
 
 def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
@@ -272,9 +277,8 @@ def _token_statistics_kernel(k_ref, v_ref, len_ref, k_sum_ref, v_sum_ref,
     if v_sum_ref is not None:
       v_sum_ref[...] = jnp.sum(jnp.where(valid, quant.finite_part(v), 0.0),
                                axis=0)
-    if v_amax_ref is not None:  # NaN read as +inf (quant.abs_max)
-      a = jnp.abs(jnp.where(valid, v, 0.0))
-      v_amax_ref[...] = jnp.max(jnp.where(a < jnp.inf, a, jnp.inf), axis=0)
+    if v_amax_ref is not None:
+      v_amax_ref[...] = _block_abs_max(v, valid)
 
 
 def token_statistics(k: jax.Array, v: Optional[jax.Array],
