@@ -110,6 +110,8 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
       kw["num_consumers"] = int(value)
     elif name == "qk":  # Q quantized in the kernel (1) or by a pass (0)
       kw["quantize_q"] = bool(int(value))
+    elif name == "pvcols":  # head dims above it: P·V in parts of so many
+      kw["pv_part_cols"] = int(value)
     elif name == "persist":  # a persistent grid of CTAs (1)
       kw["persistent"] = bool(int(value))
     elif name == "ctas":  # with persist=1: the grid's CTAs
@@ -120,6 +122,7 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
 
 
 KERNEL_VARIANTS: list[str] = []  # --kernel-variants: extra tilings to time
+WITH_PALLAS = []  # --pallas: the "pallas" backend end to end beside them
 
 
 def variants_for(h, quick):
@@ -171,10 +174,9 @@ def variants_for(h, quick):
   for v in KERNEL_VARIANTS:
     tiling, cfg = parse_variant(v)
     out.append((f"kernel {v}", kernel_only(tiling, cfg)))
-    if "fp32acc" not in v:
-      out.append((f"e2e {v}", e2e_tiling(tiling, cfg)))
+    out.append((f"e2e {v}", e2e_tiling(tiling, cfg)))
   if KERNEL_VARIANTS:
-    return out
+    return out + [("pallas e2e", e2e("pallas"))] * bool(WITH_PALLAS)
   if not quick:
     out += [("kernel fp32-acc", kernel_only(
         cfg=PRESETS["sage2-8b"].replace(pv_accumulation="fp32"))),
@@ -192,6 +194,9 @@ def main():
                       help="';'-separated tilings, e.g. 'bkv=64,stages=3;"
                       "regs=240/24;qk=1,warps=8' (only these beside cudnn "
                       "and default; warps= sets SageConfig.num_warps)")
+  parser.add_argument("--pallas", action="store_true",
+                      help="with --kernel-variants: time the 'pallas' "
+                      "(Triton) backend end to end too")
   parser.add_argument("--shapes", default="",
                       help="';'-separated B,N,S,H,causal (causal 0/1)")
   parser.add_argument("--compile-only", action="store_true",
@@ -202,6 +207,7 @@ def main():
   args = parser.parse_args()
   global IMPL
   KERNEL_VARIANTS.extend(filter(None, args.kernel_variants.split(";")))
+  WITH_PALLAS.extend([True] * args.pallas)
   if args.dry_run:
     IMPL = "xla"
   os.makedirs(args.out, exist_ok=True)

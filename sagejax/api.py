@@ -105,14 +105,28 @@ def _local_forward(static, q, k, v, bias, mask, q_lengths, kv_lengths,
 
 def _differentiated(static: _Static, call) -> _Static:
   """``static`` with the config of each branch that a kernel backward
-  follows replaced by :meth:`SageConfig.differentiated`."""
-  def config_of(name, config):
-    if backends.backward_of(name, call, config) is None:
-      return config
-    return config.differentiated(call.q.dtype)
+  follows replaced by :meth:`SageConfig.differentiated`. A chosen
+  (per-platform) backend that does not serve that config (the Mosaic
+  kernel's 16-bit P·V above H=128) hands the branch to its backward's
+  backend; a named one raises."""
+  def branch(name, config, chosen: bool):
+    backward = backends.backward_of(name, call, config)
+    if backward is None:
+      return name, config
+    config = config.differentiated(call.q.dtype)
+    reason = backends.registry()[name].unsupported(call, config)
+    if reason is None:
+      return name, config
+    if chosen and backward.unsupported(call, config) is None:
+      return backward.name, config
+    raise ValueError(
+        f"implementation={name!r} does not run the forward that jax.grad "
+        f"differentiates (config {config}): {reason}. Pass "
+        "implementation=None to let sagejax choose.")
+  name, config = branch(static.backend, static.config, chosen=False)
   return dataclasses.replace(
-      static, config=config_of(static.backend, static.config),
-      per_platform=tuple((platform, name, config_of(name, config))
+      static, backend=name, config=config,
+      per_platform=tuple((platform, *branch(name, config, chosen=True))
                          for platform, name, config in static.per_platform))
 
 

@@ -685,3 +685,32 @@ def test_gpu_flax_training_matches_exact():
   assert exact[-20:].mean() < 0.8 * exact[:10].mean()  # it learned
   rel = abs(sage[-20:].mean() - exact[-20:].mean()) / exact[-20:].mean()
   assert rel < 0.01, (rel, sage[-20:].mean(), exact[-20:].mean())
+
+
+def test_grad_hands_h256_mosaic_branches_to_the_pallas_forward(
+    qkv, monkeypatch):
+  """Under ``jax.grad`` the forward runs the differentiated config (16-bit
+  P·V), which the Mosaic kernel serves only up to H=128: a per-platform
+  branch that chose "mosaic" at H=256 runs "pallas" (whose backward follows
+  anyway); at H=128 it stays; a named "mosaic" says why it cannot. (The
+  "pallas" backward counts as available, as on a GPU.)"""
+  from sagejax import api  # pylint: disable=g-import-not-at-top
+  pallas = backends.registry()["pallas"]
+  monkeypatch.setattr(type(pallas), "available", lambda self: True)
+  cfg = PRESETS["sage2-8b"]
+  for h, want in ((256, "pallas"), (128, "mosaic")):
+    q, k, v = qkv(1, 64, 64, 2, 2, h, dtype=jnp.bfloat16)
+    call = _inputs.parse(q, k, v, is_causal=True)
+    static = api._Static(config=cfg, spec=call.spec, sm_scale=call.sm_scale,
+                         backend="xla", layout=call.layout,
+                         per_platform=(("cuda", "mosaic", cfg),))
+    got = api._differentiated(static, call)
+    assert got.per_platform == (("cuda", want,
+                                 cfg.differentiated(jnp.bfloat16)),)
+    assert (got.backend, got.config) == ("xla", cfg)
+    named = dataclasses.replace(static, backend="mosaic", per_platform=())
+    if h == 256:
+      with pytest.raises(ValueError, match="head dims above 128"):
+        api._differentiated(named, call)
+    else:
+      assert api._differentiated(named, call).backend == "mosaic"

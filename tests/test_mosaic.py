@@ -115,6 +115,8 @@ def test_tiling_validation():
     MosaicTiling(persistent=True, overlap_qk=True)
   with pytest.raises(ValueError, match="num_ctas"):
     MosaicTiling(persistent=True, num_ctas=0)
+  with pytest.raises(ValueError, match="pv_part_cols"):
+    MosaicTiling(pv_part_cols=96)
   assert MosaicTiling(num_consumers=3, consumer_registers=160,
                       producer_registers=32).block_rows == 192
 
@@ -127,6 +129,8 @@ LOWER_CASES = [
      128),
     ("sage1", "BTNH", dict(is_causal=True), 128),
     ("sage2-4b", "BNTH", dict(), 64),
+    ("sage2-8b", "BTNH", dict(is_causal=True), 256),
+    ("sage2-8b", "BNTH", dict(local_window_size=(50, 3)), 192),
 ]
 
 
@@ -342,8 +346,14 @@ def test_unsupported_calls_name_the_reason():
   assert "positive scale" in mosaic.BACKEND.unsupported(
       _inputs.parse(q, k, v, scale=-1.0), cfg)
   q2, k2, v2 = _data(1, 16, 16, 2, 2, 256)
-  assert "head dims" in mosaic.BACKEND.unsupported(
-      _inputs.parse(q2, k2, v2), cfg)
+  call = _inputs.parse(q2, k2, v2)
+  assert mosaic.BACKEND.unsupported(call, cfg) is None  # FP8 P·V at H=256
+  assert "head dims above 128" in mosaic.BACKEND.unsupported(
+      call, PRESETS["sage1"])
+  assert "head dims above 128" in mosaic.BACKEND.unsupported(
+      _inputs.parse(*(x.astype(jnp.float32) for x in (q2, k2, v2))), cfg)
+  assert "head dims up to 128" in mosaic.BACKEND.backward_unsupported(
+      call, cfg)
   assert mosaic.BACKEND.unsupported(_inputs.parse(q, k, v), cfg) is None
   if not ON_HOPPER:
     with pytest.raises(ValueError, match="not available"):
@@ -379,6 +389,11 @@ GPU_CASES = [
     # causal alone: the persistent grid, tiles dealt heaviest first
     ("sage2-8b", (2, 700, 1500, 8, 4, 128),
      dict(is_causal=True, causal_alignment="bottom_right")),
+    # head dims above 128: P·V and the output in column parts
+    ("sage2-8b", (2, 1000, 777, 8, 2, 256), dict(is_causal=True)),
+    ("sage2-8b", (1, 17, 300, 4, 4, 256), dict(lengths=True, layout="BNTH")),
+    ("sage2-8b", (1, 1000, 1000, 4, 2, 192), dict(local_window_size=(200, 10))),
+    ("sage2-4b", (1, 1000, 1000, 4, 4, 256), dict(is_causal=True)),
 ]
 
 
@@ -473,17 +488,13 @@ KERNEL_TILINGS = {
 ONE_LEVEL_PV = {"three_consumers_bkv64_one_level": 1e-2}
 
 
-@gpu
-@needs_hopper
-@pytest.mark.parametrize("tiling", list(KERNEL_TILINGS))
-@pytest.mark.parametrize("window", [False, True])
-def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
-  """Same quantized inputs (quant.py's, V reordered and transposed) → the
-  compiled kernel == the "xla" arithmetic on them, for every pipelining
-  of the consumers (causal; or a window with lengths a few tokens short)."""
-  config = PRESETS["sage2-8b"]
-  b, t, s, n, kh, h = 2, 768, 768, 4, 2, 128  # T: 6 CTAs of 2 or 4 of 3
-  q, k, v = _data(b, t, s, n, kh, h, kind="channel_bias", layout="BNTH",
+def _kernel_case(config, shape, kind, window):
+  """Quantized inputs of ``shape`` (B, T, S, N, K, H; f32, BNTH), a mask
+  (causal; or a window with lengths a few tokens short), the "xla"
+  arithmetic's output and LSE on them, and V in the kernel's layout:
+  ``(qkv, spec, lengths, want, want_lse, v_t)``."""
+  b, t, s, n, kh, h = shape
+  q, k, v = _data(b, t, s, n, kh, h, kind=kind, layout="BNTH",
                   dtype=jnp.float32)
   qkv = quant.quantize(q, k, v, config, h ** -0.5)
   if window:
@@ -497,6 +508,29 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
       qkv, config, spec, q_lengths=lengths[0], kv_lengths=lengths[1])
   order = mosaic_attention.pv_key_order(s)
   v_t = jnp.swapaxes(qkv.v[:, :, order], 2, 3)
+  return qkv, spec, lengths, want, want_lse, v_t
+
+
+def _valid_rows(lengths, t, *arrays):
+  """Outputs (``[B, N, T, H]``, then LSEs ``[B, N, T]``) with rows past
+  the query lengths set to 0 (−inf for an LSE)."""
+  rows = np.arange(t)[None, None, :] < np.asarray(lengths[0])[:, None, None]
+  return [np.where(rows[..., None], np.asarray(x, np.float32), 0)
+          if x.ndim == 4 else np.where(rows, x, -np.inf) for x in arrays]
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("tiling", list(KERNEL_TILINGS))
+@pytest.mark.parametrize("window", [False, True])
+def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
+  """Same quantized inputs (quant.py's, V reordered and transposed) → the
+  compiled kernel == the "xla" arithmetic on them, for every pipelining
+  of the consumers (causal; or a window with lengths a few tokens short)."""
+  config = PRESETS["sage2-8b"]
+  b, t, s, n, kh, h = 2, 768, 768, 4, 2, 128  # T: 6 CTAs of 2 or 4 of 3
+  qkv, spec, lengths, want, want_lse, v_t = _kernel_case(
+      config, (b, t, s, n, kh, h), "channel_bias", window)
   _poison(b * n * t * h * 4 * 4)
   got, got_lse = jax.jit(lambda *a: mosaic_attention.attention_forward(
       *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
@@ -505,12 +539,45 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
       tiling=KERNEL_TILINGS[tiling]))(
           qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, v_t, qkv.v_scale, None,
           None)
-  rows = np.arange(t)[None, None, :] < np.asarray(lengths[0])[:, None, None]
-  got, want = np.where(rows[..., None], got, 0), np.where(rows[..., None],
-                                                         want, 0)
-  got_lse = np.where(rows, got_lse, -np.inf)
-  want_lse = np.where(rows, want_lse, -np.inf)
+  got, want, got_lse, want_lse = _valid_rows(lengths, t, got, want, got_lse,
+                                             want_lse)
   bound = ONE_LEVEL_PV.get(tiling, 5e-3)
+  assert testing.error_metrics(got, want)["rel_l2"] < bound
+  np.testing.assert_allclose(got_lse, want_lse, atol=1e-2)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("part_cols,two_level", [(128, True), (64, True),
+                                                (128, False)])
+@pytest.mark.parametrize("window", [False, True])
+def test_gpu_head_dim_256_kernel_matches_xla_arithmetic(part_cols, two_level,
+                                                        window):
+  """H=256: P·V, its accumulation (two-level or straight into the output)
+  and the output store in parts of 128 or 64 columns == the "xla"
+  arithmetic on the same quantized inputs (causal; or a window with
+  lengths a few tokens short), a bf16 output (an f32 tile does not fit
+  shared memory), V smoothed (its mean added back per part)."""
+  tiling = MosaicTiling(consumer_registers=240, producer_registers=24,
+                        pv_part_cols=part_cols)
+  config = PRESETS["sage2-8b"].replace(
+      smooth_v=True, pv_accumulation="fp32+fp32" if two_level else "fp32")
+  b, t, s, n, kh, h = 2, 640, 640, 4, 2, 256
+  qkv, spec, lengths, want, want_lse, v_t = _kernel_case(
+      config, (b, t, s, n, kh, h), "qkv_channel_bias", window)
+  _poison(b * n * t * h * 4 * 4)
+  got, got_lse = jax.jit(lambda *a: mosaic_attention.attention_forward(
+      *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
+      out_dtype=jnp.bfloat16, k_scale_grouped=mosaic.k_scale_grouped(config),
+      pv_two_level=two_level, tiling=tiling))(
+          qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, v_t, qkv.v_scale,
+          qkv.v_mean, None)
+  assert qkv.v_mean is not None
+  got, want, got_lse, want_lse = _valid_rows(lengths, t, got, want, got_lse,
+                                             want_lse)
+  # One-level: the FP8 wgmma adds into its FP32 accumulator with fewer
+  # mantissa bits (ONE_LEVEL_PV above).
+  bound = 5e-3 if two_level else 1e-2
   assert testing.error_metrics(got, want)["rel_l2"] < bound
   np.testing.assert_allclose(got_lse, want_lse, atol=1e-2)
 

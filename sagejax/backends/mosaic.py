@@ -12,7 +12,8 @@ with FP8 P·V).
 
 Calls it does not serve (``unsupported`` says why, and ``implementation=None``
 then picks the ``"pallas"`` backend): user ``mask``/``bias`` arrays, head dims
-above 128, a negative ``scale``.
+above 128 with 16-bit P·V (``sage1``, the differentiated
+forward) or FP32 inputs, a negative ``scale``.
 
 Its backward (:mod:`sagejax.kernels.mosaic_backward`, 16-bit ``wgmma``)
 takes δ from the forward's saved output (``backward_stats="saved"``, and
@@ -46,7 +47,7 @@ from sagejax.kernels.mosaic_attention import (MosaicTiling, QuantizeQ,
                                               attention_forward)
 from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
 
-MAX_HEAD_DIM = 128
+BACKWARD_MAX_HEAD_DIM = 128  # dK and dV of 64 keys in a consumer's registers
 PERSISTENT_MAX_KEYS = 4096  # longer calls: the grid (NOTES, Mosaic section 11)
 
 
@@ -64,7 +65,12 @@ def default_tiling(head_dim: int, config: SageConfig,
   +3-6% at 4k, equal at 16k), Q quantized by the pass. Off the persistent
   grid, a 16-bit P·V kernel quantizes Q itself where
   :func:`quantize_q_in_kernel` allows (B21; on the persistent grid that
-  measured 5-15% slower, section 15)."""
+  measured 5-15% slower, section 15). Above H=128 (FP8 P·V only), P·V and
+  its two-level accumulation run in parts of 64 output columns (section
+  17, H100: +9-12% over parts of 128; both spill registers)."""
+  if head_dim > 128:  # FP8 P·V only (see unsupported)
+    return MosaicTiling(block_kv=128, num_stages=2, consumer_registers=240,
+                        producer_registers=24, pv_part_cols=64)
   if head_dim <= 64:
     if config.pv_dtype == "fp8_e4m3":
       return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
@@ -166,9 +172,11 @@ class _MosaicBackend:
       return "the kernel needs a positive scale"
     if call.logits_soft_cap is not None:
       return "logits_soft_cap is applied by the 'pallas' backend only"
-    if h > MAX_HEAD_DIM:
-      return (f"head dims above {MAX_HEAD_DIM} do not fit the kernel's "
-              "registers and shared memory; the 'pallas' backend serves them")
+    if h > 128 and (config.pv_dtype != "fp8_e4m3"
+                    or jnp.dtype(call.q.dtype).itemsize != 2):
+      return ("head dims above 128 run FP8 P·V with 16-bit inputs only (a "
+              "16-bit V tile or an f32 output tile does not fit shared "
+              "memory); the 'pallas' backend serves the others")
     if config.smooth_q and config.block_q % 128:
       return "smoothed Q needs SageConfig.block_q a multiple of 128"
     return None
@@ -268,6 +276,10 @@ class _MosaicBackend:
               "'pallas' backward serves others")
     if config.backward_int8:
       return "the 8-bit backward (backward_int8) runs in the 'pallas' kernels"
+    if call.dims[3] > BACKWARD_MAX_HEAD_DIM:
+      return (f"the Hopper backward holds head dims up to "
+              f"{BACKWARD_MAX_HEAD_DIM} in registers; the 'pallas' backward "
+              "serves larger ones")
     return None
 
   def backward(self, call: ParsedCall, config: SageConfig, d_out: jax.Array,

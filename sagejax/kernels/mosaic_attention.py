@@ -65,6 +65,7 @@ from sagejax.kernels._common import kv_block_range
 from sagejax.masks import MaskSpec
 
 _LOG2_P_SCALE = math.log2(quant.P_SCALE)
+MAX_HEAD_DIM = 256
 _PV_KEY_GROUP = 16  # keys permuted inside each group (see pv_key_order)
 
 
@@ -111,6 +112,9 @@ class MosaicTiling:
       epilogue once per kernel, not once per tile; with ``quantize_q``
       the next tile's 16-bit Q is loaded once this tile's is quantized).
       Not with ``overlap_qk``.
+    pv_part_cols: above this head dim, P·V, its two-level accumulation
+      and the output's store run in parts of this many columns (64 or
+      128), one part's product at a time (registers).
     num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
       None: one per SM of the device seen when tracing (132, an H100's or
       H200's, without a GPU: a program exported from a CPU host for a GPU
@@ -131,6 +135,7 @@ class MosaicTiling:
   num_consumers: int = 2
   persistent: bool = False
   num_ctas: Optional[int] = None
+  pv_part_cols: int = 128
 
   def __post_init__(self):
     if self.persistent and self.overlap_qk:
@@ -148,6 +153,9 @@ class MosaicTiling:
     if not 2 <= self.num_stages <= 6:
       raise ValueError(f"MosaicTiling.num_stages must be in 2..6, got "
                        f"{self.num_stages}.")
+    if self.pv_part_cols not in (64, 128):
+      raise ValueError("MosaicTiling.pv_part_cols must be 64 or 128, got "
+                       f"{self.pv_part_cols}.")
     if self.num_consumers not in (2, 3):
       raise ValueError("MosaicTiling.num_consumers must be 2 or 3, got "
                        f"{self.num_consumers}.")
@@ -647,6 +655,23 @@ def attention_forward(
   if delta_s is not None and config_block_q % rows_cta:
     raise ValueError(f"config block_q={config_block_q} must be a multiple of "
                      f"{rows_cta} when Q is smoothed.")
+  # Head dims above ``tiling.pv_part_cols``: P·V, the output accumulator
+  # and its store in parts of that many columns (registers: one part's
+  # two-level block at a time; shared memory: a 16-bit output tile of one
+  # part).
+  pv_cols = min(h, tiling.pv_part_cols)
+  pv_parts = h // pv_cols
+  if h % pv_cols or h > MAX_HEAD_DIM:
+    raise ValueError(f"head dim {h}: pass 64, 128 or {MAX_HEAD_DIM} (pad "
+                     "others up to one of them).")
+  if pv_parts > 1 and not (fp8 and jnp.dtype(out_dtype).itemsize == 2
+                           and quantize_q is None and not tiling.overlap_qk
+                           and nc == 2):
+    raise ValueError(f"head dim {h} in parts of {pv_cols} columns runs FP8 "
+                     "P·V with a 16-bit output, Q "
+                     "quantized by the pass and two consumers without "
+                     "overlap_qk (shared memory and registers); pass "
+                     "H <= 128 for the others.")
   num_kv_blocks = s_pad // bkv
   ds_rows = None if delta_s is None else config_block_q // rows_cta
   num_q_tiles = t_pad // rows_cta
@@ -821,8 +846,9 @@ def attention_forward(
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                             row_layout)
       l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
-      acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32),
-                              plgpu.Layout.WGMMA)
+      acc = tuple(plgpu.layout_cast(jnp.zeros((bq, pv_cols), jnp.float32),
+                                    plgpu.Layout.WGMMA)
+                  for _ in range(pv_parts))
 
       def issue_qk(s_ref, slot):
         plgpu.wgmma(s_ref, mine(q_smem, buf),
@@ -896,10 +922,13 @@ def attention_forward(
             p_op = _as_pv_operand(p.astype(pv_dtype))
           else:
             p_op = p.astype(pv_dtype)
-        return p_op, lax.broadcast_in_dim(alpha, (bq, h), [0]), m_new, l
+        return p_op, lax.broadcast_in_dim(alpha, (bq, pv_cols), [0]), m_new, l
 
-      def v_tile(slot):
+      def v_tile(slot, part: int = 0):
         if fp8:
+          if pv_parts > 1:
+            return v_smem.at[slot, pl.ds(part * pv_cols, pv_cols)].transpose(
+                (1, 0))
           return v_smem.at[slot].transpose((1, 0))
         return v_smem.at[slot]
 
@@ -928,31 +957,40 @@ def attention_forward(
             keys = key_vectors(slot)
           p_op, alpha_b, m_new, l = softmax(s_f, keys, j, masked, m, l)
           if not pv_two_level:
-            acc = acc * alpha_b
+            acc = tuple(a * alpha_b for a in acc)
         with jax.named_scope("wait_v"):
           wait_for_v(slot)
 
-        def pv(pv_ref):
-          plgpu.wgmma(pv_ref, p_op, v_tile(slot))
-          nxt = j + 1
+        def pv(part: int):
+          def issue(pv_ref):
+            plgpu.wgmma(pv_ref, p_op, v_tile(slot, part))
+            if part < pv_parts - 1:
+              return
+            nxt = j + 1
 
-          @pl.when(nxt < bhi)
-          def _():
-            with jax.named_scope("wait_k"):
-              plgpu.barrier_wait(k_bar.at[slot_of(nxt)])
+            @pl.when(nxt < bhi)
+            def _():
+              with jax.named_scope("wait_k"):
+                plgpu.barrier_wait(k_bar.at[slot_of(nxt)])
+          return issue
 
-        with jax.named_scope("pv"):
+        # One part's product at a time: a two-level block is added into
+        # the output before the next part's is made.
+        parts = []
+        for part, a in enumerate(acc):
+          with jax.named_scope("pv"):
+            if pv_two_level:
+              block = pl.run_state(pv(part))(plgpu.ACC.init(
+                  plgpu.layout_cast(jnp.zeros((bq, pv_cols), jnp.float32),
+                                    plgpu.Layout.WGMMA)))
+            else:
+              a = pl.run_state(pv(part))(plgpu.ACC.init(a))
           if pv_two_level:
-            block = pl.run_state(pv)(plgpu.ACC.init(
-                plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32),
-                                  plgpu.Layout.WGMMA)))
-          else:
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        if pv_two_level:
-          with jax.named_scope("accumulate"):
-            acc = acc * alpha_b + block
+            with jax.named_scope("accumulate"):
+              a = a * alpha_b + block
+          parts.append(a)
         plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+        return tuple(parts), m_new, l
 
       def overlapped_step(j, carry, masked: bool, s_ref, pv_ref):
         """One KV step with the next step's Q·Kᵀ (issued into ``s_ref``,
@@ -986,6 +1024,7 @@ def attention_forward(
                                             scaled=True)
         with jax.named_scope("wait_v"):
           wait_for_v(slot)
+        acc, = acc  # one part (attention_forward checks)
         if pv_two_level:
           pv_ref[...] = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32),
                                           plgpu.Layout.WGMMA)
@@ -997,7 +1036,7 @@ def attention_forward(
         with jax.named_scope("accumulate"):
           acc = acc * alpha_b + block if pv_two_level else block
         plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+        return (acc,), m_new, l
 
       def run_steps(step_fn, carry):
         masked = functools.partial(step_fn, masked=True)
@@ -1036,22 +1075,33 @@ def attention_forward(
                                            layout=row_layout)
       seen = (l != 0) & (rows < q_len)  # a NaN sum is seen (quant's rules)
       inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-      vs = load_all(mine(vs_smem, buf), col_layout)
-      out = (acc * lax.broadcast_in_dim(inv_l, (bq, h), [0])
-             * lax.broadcast_in_dim(vs, (bq, h), [1]))
-      if vm_ref is not None:
-        vm = load_all(mine(vm_smem, buf), col_layout)
-        out = jnp.where(lax.broadcast_in_dim(seen, (bq, h), [0]),
-                        out + lax.broadcast_in_dim(vm, (bq, h), [1]), 0.0)
-      if base is not None:  # the last tile's output is out of o_smem
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_smem.at[wg][...] = out.astype(out_dtype)
+      out_rows = tile_rows(out_ref, out_layout, batch, head, row0, bq)
+
+      def columns(ref, part):  # a part's columns of a [..., H] ref
+        return ref if pv_parts == 1 else ref.at[..., pl.ds(part * pv_cols,
+                                                           pv_cols)]
+
+      for part, a in enumerate(acc):
+        vs = load_all(columns(mine(vs_smem, buf), part), col_layout)
+        out = (a * lax.broadcast_in_dim(inv_l, (bq, pv_cols), [0])
+               * lax.broadcast_in_dim(vs, (bq, pv_cols), [1]))
+        if vm_ref is not None:
+          vm = load_all(columns(mine(vm_smem, buf), part), col_layout)
+          out = jnp.where(lax.broadcast_in_dim(seen, (bq, pv_cols), [0]),
+                          out + lax.broadcast_in_dim(vm, (bq, pv_cols), [1]),
+                          0.0)
+        if base is not None or part:  # the last store is out of o_smem
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_smem.at[wg][...] = out.astype(out_dtype)
+        if part < pv_parts - 1:
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem.at[wg], columns(out_rows, part))
       p_shift = _LOG2_P_SCALE if fp8 else 0.0
       lse = (m + jnp.log2(jnp.where(seen, l, 1.0)) - p_shift) * quant.LN2
       lse_smem.at[wg][...] = jnp.where(seen, lse, -jnp.inf)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          o_smem.at[wg], tile_rows(out_ref, out_layout, batch, head, row0, bq))
+      plgpu.copy_smem_to_gmem(o_smem.at[wg],
+                              columns(out_rows, pv_parts - 1))
       plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                               lse_ref.at[batch, head, pl.ds(row0, bq)])
       if shift_ref is not None:  # the row shifts quantize_rows left there
@@ -1158,7 +1208,7 @@ def attention_forward(
         plgpu.SMEM((stages, bkv), jnp.float32),
         wgmma_smem(v_tile, pv_dtype),
         None if ds_ref is None else plgpu.SMEM((stages, bkv), jnp.float32),
-        wgmma_smem((nc, bq, h), out_dtype),
+        wgmma_smem((nc, bq, pv_cols), out_dtype),
         plgpu.SMEM((nc, bq), jnp.float32),
         plgpu.SMEM((*q_bufs, h), jnp.float32),
         None if "vm" not in refs else plgpu.SMEM((*q_bufs, h), jnp.float32),
