@@ -322,6 +322,12 @@ def test_default_tiling_is_persistent_only_for_ordered_tiles():
                                 v[..., :64])).persistent
   assert mosaic.default_tiling(128, PRESETS["sage1"],
                                _inputs.parse(q, k, v)).persistent
+  # H=256: the hardware's grid (two Q buffers do not fit shared memory),
+  # P·V in parts of 64 columns; H <= 128 keeps one part.
+  q2, k2, v2 = _data(1, 200, 300, 2, 2, 256)
+  wide = mosaic.default_tiling(256, config, _inputs.parse(q2, k2, v2))
+  assert (wide.persistent, wide.pv_part_cols) == (False, 64)
+  assert pick().pv_part_cols == 128
 
 
 def test_shared_memory_budget_is_checked_on_cpu():
