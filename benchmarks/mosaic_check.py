@@ -122,7 +122,7 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
 
 
 KERNEL_VARIANTS: list[str] = []  # --kernel-variants: extra tilings to time
-WITH_PALLAS = []  # --pallas: the "pallas" backend end to end beside them
+WITH_PALLAS = False  # --pallas: the "pallas" backend end to end beside them
 
 
 def variants_for(h, quick):
@@ -176,7 +176,9 @@ def variants_for(h, quick):
     out.append((f"kernel {v}", kernel_only(tiling, cfg)))
     out.append((f"e2e {v}", e2e_tiling(tiling, cfg)))
   if KERNEL_VARIANTS:
-    return out + [("pallas e2e", e2e("pallas"))] * bool(WITH_PALLAS)
+    if WITH_PALLAS:
+      out.append(("pallas e2e", e2e("pallas")))
+    return out
   if not quick:
     out += [("kernel fp32-acc", kernel_only(
         cfg=PRESETS["sage2-8b"].replace(pv_accumulation="fp32"))),
@@ -205,9 +207,9 @@ def main():
   parser.add_argument("--dry-run", action="store_true",
                       help="xla backend, tiny shapes: test the script on a CPU")
   args = parser.parse_args()
-  global IMPL
+  global IMPL, WITH_PALLAS
   KERNEL_VARIANTS.extend(filter(None, args.kernel_variants.split(";")))
-  WITH_PALLAS.extend([True] * args.pallas)
+  WITH_PALLAS = args.pallas
   if args.dry_run:
     IMPL = "xla"
   os.makedirs(args.out, exist_ok=True)

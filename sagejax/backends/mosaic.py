@@ -48,6 +48,9 @@ from sagejax.kernels.mosaic_attention import (MosaicTiling, QuantizeQ,
 from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
 
 BACKWARD_MAX_HEAD_DIM = 128  # dK and dV of 64 keys in a consumer's registers
+# Above this head dim the forward runs FP8 P·V in column parts only (a
+# 16-bit V tile or an f32 output tile does not fit shared memory).
+PARTS_ABOVE_HEAD_DIM = 128
 PERSISTENT_MAX_KEYS = 4096  # longer calls: the grid (NOTES, Mosaic section 11)
 
 
@@ -68,7 +71,7 @@ def default_tiling(head_dim: int, config: SageConfig,
   measured 5-15% slower, section 15). Above H=128 (FP8 P·V only), P·V and
   its two-level accumulation run in parts of 64 output columns (section
   17, H100: +9-12% over parts of 128; both spill registers)."""
-  if head_dim > 128:  # FP8 P·V only (see unsupported)
+  if head_dim > PARTS_ABOVE_HEAD_DIM:  # FP8 P·V only (see unsupported)
     return MosaicTiling(block_kv=128, num_stages=2, consumer_registers=240,
                         producer_registers=24, pv_part_cols=64)
   if head_dim <= 64:
@@ -172,11 +175,13 @@ class _MosaicBackend:
       return "the kernel needs a positive scale"
     if call.logits_soft_cap is not None:
       return "logits_soft_cap is applied by the 'pallas' backend only"
-    if h > 128 and (config.pv_dtype != "fp8_e4m3"
-                    or jnp.dtype(call.q.dtype).itemsize != 2):
-      return ("head dims above 128 run FP8 P·V with 16-bit inputs only (a "
-              "16-bit V tile or an f32 output tile does not fit shared "
-              "memory); the 'pallas' backend serves the others")
+    if h > PARTS_ABOVE_HEAD_DIM and (
+        config.pv_dtype != "fp8_e4m3"
+        or jnp.dtype(call.q.dtype).itemsize != 2):
+      return (f"head dims above {PARTS_ABOVE_HEAD_DIM} run FP8 P·V with "
+              "16-bit inputs only (a 16-bit V tile or an f32 output tile "
+              "does not fit shared memory); the 'pallas' backend serves "
+              "the others")
     if config.smooth_q and config.block_q % 128:
       return "smoothed Q needs SageConfig.block_q a multiple of 128"
     return None

@@ -60,12 +60,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sagejax import quant
+from sagejax._inputs import MAX_HEAD_DIM
 from sagejax.backends._device import sm_count
 from sagejax.kernels._common import kv_block_range
 from sagejax.masks import MaskSpec
 
 _LOG2_P_SCALE = math.log2(quant.P_SCALE)
-MAX_HEAD_DIM = 256
 _PV_KEY_GROUP = 16  # keys permuted inside each group (see pv_key_order)
 
 
