@@ -4,7 +4,8 @@
     (change the kernels' code)
     python benchmarks/lowered_digest.py | diff before.txt -
 
-Lowers the forward (sage2-8b and sage1, causal and not), the backward (dQ
+Lowers the forward (sage2-8b and sage1, causal and not; H=256 in column
+parts), the backward (dQ
 fused and in its own kernel), the serving decode (8-bit and bf16 pages) and
 extend (8-bit pages) for CUDA (``.lower(lowering_platforms=("cuda",))``, no
 GPU needed) with source locations left out of the MLIR
@@ -17,6 +18,7 @@ of one environment.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import unittest.mock
 
@@ -42,6 +44,9 @@ def programs():
         prepared = mosaic.BACKEND.prepare(call, config)
         return mosaic.BACKEND.kernel(prepared, call, config)
       yield f"forward {preset} causal={causal}", forward, (q, q, q)
+  q256 = jax.ShapeDtypeStruct((2, 300, 4, 256), jnp.bfloat16)
+  yield "forward sage2-8b causal=True H=256", functools.partial(
+      forward, config=PRESETS["sage2-8b"], causal=True), (q256,) * 3
   d_lse = jax.ShapeDtypeStruct((2, 4, 300), jnp.float32)
   for fused in (True, False):
     config = PRESETS["sage2-8b"]

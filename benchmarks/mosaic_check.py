@@ -78,13 +78,16 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
   nc=3,persist=1,ctas=132"``
   → (MosaicTiling, sage2-8b config); the config fields ``warps=N``
   (``num_warps``: 8 gives the 16-row Q groups ``qk=1`` needs),
-  ``fp32acc`` (``pv_accumulation="fp32"``) and ``pv=bf16`` (16-bit P·V,
+  ``fp32acc`` (``pv_accumulation="fp32"``), ``smoothv`` (``smooth_v``) and
+  ``pv=bf16`` (16-bit P·V,
   as ``SageConfig.differentiated`` runs it) may be among them."""
   kw, config = {}, PRESETS["sage2-8b"]
   for item in filter(None, spec.split(",")):
     name, _, value = item.partition("=")
     if name == "fp32acc":
       config = config.replace(pv_accumulation="fp32")
+    elif name == "smoothv":  # V's mean over tokens taken out, added back
+      config = config.replace(smooth_v=True)
     elif name == "pv":  # "bf16"/"fp16": the training forward's P·V
       config = config.replace(pv_dtype=value, pv_accumulation="fp32")
     elif name == "warps":
@@ -202,8 +205,9 @@ def main():
   parser.add_argument("--shapes", default="",
                       help="';'-separated B,N,S,H,causal (causal 0/1)")
   parser.add_argument("--compile-only", action="store_true",
-                      help="compile the default kernel per shape and stop "
-                      "(with MOSAIC_GPU_DUMP_PTXAS=1: register report)")
+                      help="compile the default kernel per shape (with "
+                      "--kernel-variants: only theirs) and stop (with "
+                      "MOSAIC_GPU_DUMP_PTXAS=1: register report)")
   parser.add_argument("--dry-run", action="store_true",
                       help="xla backend, tiny shapes: test the script on a CPU")
   args = parser.parse_args()
@@ -237,6 +241,8 @@ def main():
       x = testing.make_qkv(key, b, s, s, n, n, h, "normal", jnp.bfloat16,
                            "BTNH")
       for name, make in variants_for(h, True)[2:]:
+        if KERNEL_VARIANTS and not name.startswith("kernel "):
+          continue  # with variants: only their kernels (one dump each)
         print(f"=== compile {name} B={b} N={n} S={s} H={h} causal={causal}",
               flush=True)
         fn, prep = make(causal)

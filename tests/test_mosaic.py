@@ -323,10 +323,10 @@ def test_default_tiling_is_persistent_only_for_ordered_tiles():
   assert mosaic.default_tiling(128, PRESETS["sage1"],
                                _inputs.parse(q, k, v)).persistent
   # H=256: the hardware's grid (two Q buffers do not fit shared memory),
-  # P·V in parts of 64 columns; H <= 128 keeps one part.
+  # P·V in parts of 32 columns; H <= 128 keeps one part.
   q2, k2, v2 = _data(1, 200, 300, 2, 2, 256)
   wide = mosaic.default_tiling(256, config, _inputs.parse(q2, k2, v2))
-  assert (wide.persistent, wide.pv_part_cols) == (False, 64)
+  assert (wide.persistent, wide.pv_part_cols) == (False, 32)
   assert pick().pv_part_cols == 128
 
 
@@ -555,12 +555,12 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("part_cols,two_level", [(128, True), (64, True),
-                                                (128, False)])
+                                                (32, True), (128, False)])
 @pytest.mark.parametrize("window", [False, True])
 def test_gpu_head_dim_256_kernel_matches_xla_arithmetic(part_cols, two_level,
                                                         window):
   """H=256: P·V, its accumulation (two-level or straight into the output)
-  and the output store in parts of 128 or 64 columns == the "xla"
+  and the output store in parts of 128, 64 or 32 columns == the "xla"
   arithmetic on the same quantized inputs (causal; or a window with
   lengths a few tokens short), a bf16 output (an f32 tile does not fit
   shared memory), V smoothed (its mean added back per part)."""

@@ -69,11 +69,12 @@ def default_tiling(head_dim: int, config: SageConfig,
   grid, a 16-bit P·V kernel quantizes Q itself where
   :func:`quantize_q_in_kernel` allows (B21; on the persistent grid that
   measured 5-15% slower, section 15). Above H=128 (FP8 P·V only), P·V and
-  its two-level accumulation run in parts of 64 output columns (section
-  17, H100: +9-12% over parts of 128; both spill registers)."""
+  its two-level accumulation run in parts of 32 output columns (section
+  18, H100, H=256: kernel +11-13% over parts of 64, +60-80% over 128;
+  the fewest registers spilled)."""
   if head_dim > PARTS_ABOVE_HEAD_DIM:  # FP8 P·V only (see unsupported)
     return MosaicTiling(block_kv=128, num_stages=2, consumer_registers=240,
-                        producer_registers=24, pv_part_cols=64)
+                        producer_registers=24, pv_part_cols=32)
   if head_dim <= 64:
     if config.pv_dtype == "fp8_e4m3":
       return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)

@@ -113,8 +113,8 @@ class MosaicTiling:
       the next tile's 16-bit Q is loaded once this tile's is quantized).
       Not with ``overlap_qk``.
     pv_part_cols: above this head dim, P·V, its two-level accumulation
-      and the output's store run in parts of this many columns (64 or
-      128), one part's product at a time (registers).
+      and the output's store run in parts of this many columns (32, 64
+      or 128), one part's product at a time (registers).
     num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
       None: one per SM of the device seen when tracing (132, an H100's or
       H200's, without a GPU: a program exported from a CPU host for a GPU
@@ -153,8 +153,8 @@ class MosaicTiling:
     if not 2 <= self.num_stages <= 6:
       raise ValueError(f"MosaicTiling.num_stages must be in 2..6, got "
                        f"{self.num_stages}.")
-    if self.pv_part_cols not in (64, 128):
-      raise ValueError("MosaicTiling.pv_part_cols must be 64 or 128, got "
+    if self.pv_part_cols not in (32, 64, 128):
+      raise ValueError("MosaicTiling.pv_part_cols must be 32, 64 or 128, got "
                        f"{self.pv_part_cols}.")
     if self.num_consumers not in (2, 3):
       raise ValueError("MosaicTiling.num_consumers must be 2 or 3, got "
@@ -956,7 +956,7 @@ def attention_forward(
             s_f = s_int.astype(jnp.float32)
             keys = key_vectors(slot)
           p_op, alpha_b, m_new, l = softmax(s_f, keys, j, masked, m, l)
-          if not pv_two_level:
+          if not pv_two_level or pv_parts > 1:  # in parts: α before the adds
             acc = tuple(a * alpha_b for a in acc)
         with jax.named_scope("wait_v"):
           wait_for_v(slot)
@@ -987,7 +987,14 @@ def attention_forward(
               a = pl.run_state(pv(part))(plgpu.ACC.init(a))
           if pv_two_level:
             with jax.named_scope("accumulate"):
-              a = a * alpha_b + block
+              if pv_parts == 1:
+                a = a * alpha_b + block
+              else:
+                # Added before the next part's product is issued: without
+                # the barrier LLVM sinks every part's adds below the last
+                # product, and the parts' fresh blocks, live at once,
+                # spill (benchmarks/NOTES.md, Mosaic section 18).
+                a = lax.optimization_barrier(a + block)
           parts.append(a)
         plgpu.barrier_arrive(v_free.at[slot])
         return tuple(parts), m_new, l

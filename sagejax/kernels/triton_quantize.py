@@ -39,6 +39,14 @@ def _token_spec(layout: str, block: int, h: int, head_of=lambda n: n):
                       lambda i, b, n: (b, head_of(n), i, 0))
 
 
+def _warps(block: int, h: int) -> int:
+  """Warps for a program holding a ``[block, h]`` f32 tile: 4 up to 128
+  values a thread; Q's 128 tokens at H=256 take 8 (with 4 the pass spilled
+  and ran 4.5x its H=128 time on an H100: benchmarks/NOTES.md, Mosaic
+  section 18)."""
+  return 8 if block * h > 128 * 128 else 4
+
+
 def _block_abs_max(v: jax.Array, valid: jax.Array) -> jax.Array:
   """Max |V| per channel over a block's valid tokens, NaN read as +inf
   (:func:`sagejax.quant.abs_max`)."""
@@ -171,7 +179,8 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
   values, scales, means, shifts, v_amax = pl.pallas_call(
       kernel, grid=(nb, b, n), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=_warps(block, h),
+                                           num_stages=1),
       name=f"sage_quantize_{role}",
   )(x, lengths, mean, k_mean, v)
   if v_amax is not None:
