@@ -403,14 +403,22 @@ SWEEP = {
           (128, 64, 64, 128, 8, 2), (32, 64, 64, 32, 4, 3)],
     64: [(64, 128, 128, 64, 4, 3), (32, 128, 128, 32, 4, 3),
          (64, 64, 64, 64, 4, 3), (128, 128, 128, 128, 8, 2)],
+    # Above H=128 (--sweep-h 256; NOTES B26): the default first, then its
+    # nearest rivals and the FP32 inputs' tiles; dK and dV of block_k keys
+    # take 2·block_k·256 f32 over the program's threads.
+    256: [(64, 32, 64, 64, 4, 2), (64, 32, 64, 32, 4, 2),
+          (32, 32, 64, 64, 4, 2), (64, 64, 64, 64, 8, 2),
+          (32, 64, 64, 32, 4, 1)],
 }
+SWEEP_HEAD_DIMS = [128, 64]  # --sweep-h
 
 
 def sweep(results, quick):
   if quick:
     return
   b, n, s = 2, 32, 4096
-  for h, tiles in SWEEP.items():
+  for h in SWEEP_HEAD_DIMS:
+    tiles = SWEEP[h]
     for causal in (False, True):
       args = inputs(b, s, n, n, h)
       for bq, bk, bq2, bk2, warps, stages in tiles:
@@ -478,6 +486,8 @@ def main():
   p.add_argument("--shapes", default=None,
                  help='shapes to time, "H,S,causal;..." (B=2, N=32)')
   p.add_argument("--no-sweep", action="store_true")
+  p.add_argument("--sweep-h", default=None,
+                 help="comma-separated head dims to sweep (of SWEEP's)")
   p.add_argument("--mosaic-parts", default=None,
                  help='time the Mosaic backward\'s pieces under tilings '
                  '"block_q,block_kv,stages,regs_c,regs_p;..." (then exit)')
@@ -487,6 +497,8 @@ def main():
   args = p.parse_args()
   if args.check_variants:
     CHECK_VARIANTS[:] = args.check_variants.split(",")
+  if args.sweep_h:
+    SWEEP_HEAD_DIMS[:] = [int(h) for h in args.sweep_h.split(",")]
   shapes = None
   if args.shapes:
     shapes = [(int(h), int(s), c in ("1", "True", "true", "causal"))

@@ -471,6 +471,20 @@ def test_differentiated_forward_has_16_bit_pv(qkv, next_key, monkeypatch):
       got_value - value(bf16_pv, "xla"))
 
 
+def test_triton_backward_tiles_above_head_dim_128():
+  """Above H=128 16-bit inputs take 32-key dK/dV programs on 2 stages
+  (NOTES B26: an H=256 training step 2.5x faster than on the FP32 tiles);
+  FP32 inputs keep the smallest tiles (theirs need twice the shared
+  memory)."""
+  wide = pallas_triton.default_backward_tiling(256)
+  assert (wide.block_q, wide.block_k, wide.num_stages) == (64, 32, 2)
+  # dK and dV of a program: at most 128 f32 values a thread.
+  assert 2 * wide.block_k * 256 <= 128 * 32 * wide.num_warps
+  fp32 = pallas_triton.default_backward_tiling(256, itemsize=4)
+  assert fp32 == pallas_triton.default_backward_tiling(128, itemsize=4)
+  assert fp32.num_stages == 1
+
+
 LOWER_CASES = [
     # layout, H, causal, mask/bias, config, atomic dQ
     ("BTNH", 128, True, False, RECOMPUTE, False),
@@ -536,6 +550,8 @@ GPU_CASES = [
      {"dq_atomic": True}),
     ("sage2-8b", True, "top_left", (1, 2048, 2048, 4, 2, 128), False,
      {"backward_int8": True}),
+    ("sage2-8b", True, "bottom_right", (2, 1000, 1500, 8, 2, 256), True,
+     {"dq_atomic": True}),
 ]
 
 
@@ -587,11 +603,14 @@ def test_gpu_backward_matches_exact(preset, causal, align, shape, lengths,
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("bias_shape", [(1, 4, 1000, 1000), (2, 1, 1, 1000)])
-def test_gpu_mask_bias_and_dbias(bias_shape):
+@pytest.mark.parametrize("bias_shape,h", [((1, 4, 1000, 1000), 64),
+                                          ((2, 1, 1, 1000), 64),
+                                          ((1, 4, 1000, 1000), 256)])
+def test_gpu_mask_bias_and_dbias(bias_shape, h):
   """Compiled kernels with mask and bias arrays: dQ, dK, dV and dbias vs the
-  "xla" backward (outputs poisoned)."""
-  q, k, v = testing.make_qkv(jax.random.key(7), 2, 1000, 1000, 4, 2, 64,
+  "xla" backward (outputs poisoned); H=256 with its larger shared-memory
+  tiles."""
+  q, k, v = testing.make_qkv(jax.random.key(7), 2, 1000, 1000, 4, 2, h,
                              "qkv_channel_bias", jnp.bfloat16)
   do = jax.random.normal(jax.random.key(8), q.shape).astype(q.dtype)
   mask = jax.random.bernoulli(jax.random.key(9), 0.8, (2, 1, 1000, 1000))

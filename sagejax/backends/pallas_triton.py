@@ -42,13 +42,20 @@ def default_backward_tiling(head_dim: int, int8: bool = False,
   """Backward kernel tiles by head dim (benchmarks/train_check.py sweeps).
 
   FP32 inputs (IEEE FP32 products) take the smallest tiles: their K/V and
-  Q/dO tiles need twice the shared memory.
+  Q/dO tiles need twice the shared memory. Above H=128, 32 keys a dK/dV
+  program (its dK and dV accumulators: 2·32·256 f32 over 128 threads) and
+  2 stages (NOTES.md B26, H100, H=256 4k training step: 35.0 -> 14.2 ms,
+  causal 17.9 -> 7.8, against the FP32 tiles).
   """
   del int8  # same tiles (INT8 dots need tiles >= 32, which these are)
-  if itemsize > 2 or head_dim > 128:
+  if itemsize > 2:
     return BackwardTiling(block_q=32, block_k=64, block_q_dq=64,
                           block_k_dq=32, num_warps=4, num_stages=1,
                           num_warps_dq=4, num_stages_dq=1)
+  if head_dim > 128:
+    return BackwardTiling(block_q=64, block_k=32, block_q_dq=64,
+                          block_k_dq=64, num_warps=4, num_stages=2,
+                          num_warps_dq=4, num_stages_dq=2)
   if head_dim <= 64:
     return BackwardTiling(block_q=64, block_k=128, block_q_dq=128,
                           block_k_dq=64, num_warps=4, num_stages=3,
