@@ -5,10 +5,10 @@
     python benchmarks/lowered_digest.py | diff before.txt -
 
 Lowers the forward (sage2-8b and sage1, causal and not; H=256 in column
-parts), the backward (dQ
-fused and in its own kernel), the serving decode (8-bit and bf16 pages) and
-extend (8-bit pages) for CUDA (``.lower(lowering_platforms=("cuda",))``, no
-GPU needed) with source locations left out of the MLIR
+parts), the backward (dQ fused and in its own kernel), the serving decode
+(8-bit and bf16 pages) and extend (8-bit pages) for CUDA
+(``.lower(lowering_platforms=("cuda",))``, no GPU needed) with source
+locations left out of the MLIR
 (``jax_traceback_in_locations_limit=0``), and prints an MD5 per program. A
 change that only moves or renames code (a refactor, a shim for a renamed
 API) leaves every digest as it was; then the kernels the GPU ran are the

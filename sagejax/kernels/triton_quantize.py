@@ -41,9 +41,9 @@ def _token_spec(layout: str, block: int, h: int, head_of=lambda n: n):
 
 def _warps(block: int, h: int) -> int:
   """Warps for a program holding a ``[block, h]`` f32 tile: 4 up to 128
-  values a thread; Q's 128 tokens at H=256 take 8 (with 4 the pass spilled
-  and ran 4.5x its H=128 time on an H100: benchmarks/NOTES.md, Mosaic
-  section 18)."""
+  values a thread; Q's 128 tokens at H=256 take 8 (on 4 warps, 256 values
+  a thread, the Q pass ran 4.5x its H=128 time on an H100, on 8 3.0x:
+  benchmarks/NOTES.md, Mosaic section 18)."""
   return 8 if block * h > 128 * 128 else 4
 
 
