@@ -79,8 +79,8 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
   → (MosaicTiling, sage2-8b config); the config fields ``warps=N``
   (``num_warps``: 8 gives the 16-row Q groups ``qk=1`` needs),
   ``fp32acc`` (``pv_accumulation="fp32"``), ``smoothv`` (``smooth_v``) and
-  ``pv=bf16`` (16-bit P·V,
-  as ``SageConfig.differentiated`` runs it) may be among them."""
+  ``pv=bf16`` (16-bit P·V, as ``SageConfig.differentiated`` runs it) may
+  be among them."""
   kw, config = {}, PRESETS["sage2-8b"]
   for item in filter(None, spec.split(",")):
     name, _, value = item.partition("=")

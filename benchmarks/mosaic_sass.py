@@ -35,8 +35,8 @@ def cuda_tool(name: str, cuda: str | None) -> str:
   /usr/local/cuda*/bin)."""
   if cuda:
     return os.path.join(cuda, name)
-  found = shutil.which(name) or next(iter(sorted(
-      glob.glob(f"/usr/local/cuda*/bin/{name}"), reverse=True)), None)
+  found = shutil.which(name) or max(
+      glob.glob(f"/usr/local/cuda*/bin/{name}"), default=None)
   if found is None:
     raise SystemExit(f"{name} not found: pass --cuda DIR")
   return found

@@ -956,7 +956,8 @@ def attention_forward(
             s_f = s_int.astype(jnp.float32)
             keys = key_vectors(slot)
           p_op, alpha_b, m_new, l = softmax(s_f, keys, j, masked, m, l)
-          if not pv_two_level or pv_parts > 1:  # in parts: α before the adds
+          scaled_first = not pv_two_level or pv_parts > 1  # in parts: α first
+          if scaled_first:
             acc = tuple(a * alpha_b for a in acc)
         with jax.named_scope("wait_v"):
           wait_for_v(slot)
@@ -987,14 +988,13 @@ def attention_forward(
               a = pl.run_state(pv(part))(plgpu.ACC.init(a))
           if pv_two_level:
             with jax.named_scope("accumulate"):
-              if pv_parts == 1:
-                a = a * alpha_b + block
-              else:
+              a = (a if scaled_first else a * alpha_b) + block
+              if pv_parts > 1:
                 # Added before the next part's product is issued: without
                 # the barrier LLVM sinks every part's adds below the last
                 # product, and the parts' fresh blocks, live at once,
                 # spill (benchmarks/NOTES.md, Mosaic section 18).
-                a = lax.optimization_barrier(a + block)
+                a = lax.optimization_barrier(a)
           parts.append(a)
         plgpu.barrier_arrive(v_free.at[slot])
         return tuple(parts), m_new, l
