@@ -20,7 +20,8 @@ import pytest
 import sagejax
 from sagejax import PRESETS, _inputs, _vjp, backends, testing
 from sagejax.backends import pallas_triton, xla
-from sagejax.kernels._common import q_block_range
+from sagejax.kernels._common import (q_block_range, visit_block,
+                                     visit_blocks, visit_position)
 from sagejax.kernels.triton_backward import BackwardTiling
 from sagejax.masks import MaskSpec
 
@@ -164,6 +165,38 @@ def test_query_block_range_matches_mask_rule():
       assert not seen[:lo].any() and not seen[hi:].any()
       for blk in range(flo, fhi):
         assert vis[blk * bq:(blk + 1) * bq, :min(cols, kv_len - first)].all()
+
+
+@pytest.mark.parametrize("unmasked_first", [False, True])
+def test_visit_order_is_one_permutation_for_consumers_and_producer(
+    unmasked_first):
+  """visit_blocks visits each block of [lo, hi) once, masked exactly where
+  outside [full_lo, full_hi); visit_block (a producer's load order) gives
+  the same sequence and visit_position (a consumer's ring slot) inverts
+  it. With unmasked_first the unmasked blocks come first."""
+  rng = np.random.default_rng(1)
+  for _ in range(30):
+    lo, full_lo, full_hi, hi = np.sort(rng.integers(0, 12, 4))
+    if rng.integers(4) == 0:  # all masked (lengths): full range empty
+      full_lo = full_hi = lo
+    blocks = tuple(jnp.int32(x) for x in (lo, full_lo, full_hi, hi))
+
+    def body(j, seq, masked):
+      n = seq[0]
+      return (n + 1, seq[1].at[n].set(j), seq[2].at[n].set(masked))
+
+    n, order, masked = visit_blocks(
+        blocks, body, (jnp.int32(0), jnp.full(16, -1), jnp.zeros(16, bool)),
+        unmasked_first=unmasked_first)
+    order, masked = np.asarray(order)[:int(n)], np.asarray(masked)[:int(n)]
+    assert sorted(order) == list(range(lo, hi))
+    np.testing.assert_array_equal(masked,
+                                  (order < full_lo) | (order >= full_hi))
+    if unmasked_first:
+      assert list(order[:full_hi - full_lo]) == list(range(full_lo, full_hi))
+    for t, j in enumerate(order):
+      assert int(visit_block(blocks, jnp.int32(t), unmasked_first)) == j
+      assert int(visit_position(blocks, jnp.int32(j), unmasked_first)) == t
 
 
 def test_dq_by_atomics_matches_dq_kernel(qkv, next_key):

@@ -353,7 +353,8 @@ def test_kernel_profile_reads_nested_regions(tmp_path, monkeypatch):
 
 
 def test_mosaic_sass_finds_loops_and_the_ptx(monkeypatch):
-  """benchmarks/mosaic_sass.py: the first PTX module of a Mosaic dump log,
+  """benchmarks/mosaic_sass.py: the PTX modules of a Mosaic dump log (the
+  first, or the first holding a string),
   and each loop of ``nvdisasm -c`` output (a backward branch's span) with
   its opcode counts; branches after the last EXIT (barrier-wait retries)
   are not loops."""
@@ -364,8 +365,13 @@ def test_mosaic_sass_finds_loops_and_the_ptx(monkeypatch):
             ".target sm_90a\n.visible .entry k() {\n ret;\n}\n")
   log = "=== compile\n" + module + "\n" + module.replace("k()", "k2()") + (
       "ptxas info    : Used 168 registers\n")
-  ptx = mosaic_sass.first_ptx(log)
+  ptx = mosaic_sass.pick_module(log)
   assert ptx.count(".version") == 1 and "k()" in ptx and "k2" not in ptx
+  second = mosaic_sass.pick_module(log, contains="k2()")
+  assert second.count(".version") == 1 and "k2()" in second
+  assert len(mosaic_sass.ptx_modules(log)) == 2
+  with pytest.raises(SystemExit, match="none of the log's 2"):
+    mosaic_sass.pick_module(log, contains="cp.reduce.async.bulk")
   sass = "\n".join([
       "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
       ".L_x_1:",

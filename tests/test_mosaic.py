@@ -871,14 +871,34 @@ def test_backward_static_consumers_lowers_for_cuda(h, layout, causal, turns):
   assert text != lowered(False)
 
 
+@pytest.mark.parametrize("h,layout,turns", [(128, "BTNH", False),
+                                             (64, "BNTH", True)])
+def test_backward_unmasked_first_lowers_for_cuda(h, layout, turns):
+  """Visiting the unmasked query blocks first (one masked loop after
+  them), the causal fused kernel lowers, with or without dq_turns, to
+  another program than the three-loop order's."""
+  def lowered(first):
+    return _fused_backward_lowered(h, layout, True, dq_turns=turns,
+                                   static_consumers=h > 64,
+                                   unmasked_first=first)
+
+  text = lowered(True)
+  assert text.count("mosaic_gpu_v2") == 2
+  assert "cp.reduce.async.bulk.tensor" in text
+  assert text != lowered(False)
+
+
 def test_default_backward_tiling_by_head_dim():
-  """The fused kernel's defaults (NOTES B15, B16): dq_turns at H=64 only
-  (faster there, causal or not; slower at H=128), a copy of the consumer
-  code per warpgroup above H=64 only (faster there; slower with turns)."""
+  """The fused kernel's defaults (NOTES B15, B16, B27): dq_turns at H=64
+  only (faster there, causal or not; slower at H=128), a copy of the
+  consumer code per warpgroup and the unmasked query blocks first above
+  H=64 only (faster there; slower with turns / at H=64)."""
   h64 = mosaic.default_backward_tiling(64, fused_dq=True)
   h128 = mosaic.default_backward_tiling(128, fused_dq=True)
   assert h64.dq_turns and not h64.static_consumers
+  assert not h64.unmasked_first
   assert h128.static_consumers and not h128.dq_turns
+  assert h128.unmasked_first
   unfused = mosaic.default_backward_tiling(64, fused_dq=False)
   assert not unfused.dq_turns and not unfused.static_consumers
 

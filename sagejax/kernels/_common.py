@@ -129,13 +129,46 @@ def _block_range(lo, full_lo, full_hi, hi, any_seen, block: int,
   return lo_b, full_lo_b, full_hi_b, hi_b
 
 
-def visit_blocks(blocks, body, carry):
+def visit_blocks(blocks, body, carry, unmasked_first: bool = False):
   """``body(j, carry, masked)`` over the masked head ``[lo, full_lo)``, the
   unmasked middle ``[full_lo, full_hi)`` and the masked tail ``[full_hi,
-  hi)`` of ``blocks`` (as :func:`kv_block_range` returns)."""
+  hi)`` of ``blocks`` (as :func:`kv_block_range` returns).
+
+  With ``unmasked_first``: the middle first, then head and tail in one
+  masked loop (one copy of the masked code, in the order of
+  :func:`visit_block`).
+  """
   lo, full_lo, full_hi, hi = blocks
   masked = functools.partial(body, masked=True)
+  if unmasked_first:
+    carry = lax.fori_loop(full_lo, full_hi,
+                          functools.partial(body, masked=False), carry)
+    return lax.fori_loop(
+        full_hi - full_lo, hi - lo,
+        lambda t, c: masked(visit_block(blocks, t, True), c), carry)
   carry = lax.fori_loop(lo, full_lo, masked, carry)
   carry = lax.fori_loop(full_lo, full_hi,
                         functools.partial(body, masked=False), carry)
   return lax.fori_loop(full_hi, hi, masked, carry)
+
+
+def visit_block(blocks, t, unmasked_first: bool = False):
+  """The block :func:`visit_blocks` visits ``t``-th (from 0): for a
+  producer that must load blocks in the consumers' order."""
+  lo, full_lo, full_hi, _ = blocks
+  if not unmasked_first:
+    return lo + t
+  n_full, head = full_hi - full_lo, full_lo - lo
+  return jnp.where(t < n_full, full_lo + t,
+                   jnp.where(t < n_full + head, lo + t - n_full,
+                             full_hi + t - n_full - head))
+
+
+def visit_position(blocks, j, unmasked_first: bool = False):
+  """Where block ``j`` comes in :func:`visit_blocks`'s order (from 0); the
+  inverse of :func:`visit_block`."""
+  lo, full_lo, full_hi, _ = blocks
+  if not unmasked_first:
+    return j - lo
+  return jnp.where(j < full_lo, full_hi - full_lo + j - lo,
+                   jnp.where(j < full_hi, j - full_lo, j - lo))

@@ -50,7 +50,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sagejax import quant
 from sagejax.kernels._common import (key_blocks, layout_dims, query_blocks,
-                                     visit_blocks)
+                                     visit_block, visit_blocks,
+                                     visit_position)
 from sagejax.kernels.mosaic_attention import (check_registers, load_all,
                                               tile_rows, wgmma_smem)
 from sagejax.masks import MaskSpec
@@ -89,6 +90,11 @@ class MosaicBackwardTiling:
       of its K/V rows and dQ half fold into constants), instead of once with
       the index read at run time. Twice the code; measured faster at H=128
       and slower wherever ``dq_turns`` is on (benchmarks/NOTES.md, B16).
+    unmasked_first: dK/dV kernel: visit the query blocks every row of the
+      CTA's keys sees first, then the masked ones (the causal diagonal,
+      a window's edges, lengths) in one loop, instead of masked head,
+      unmasked middle, masked tail (three loops); the producer loads in
+      the same order.
   """
 
   block_q: int = 64
@@ -99,6 +105,7 @@ class MosaicBackwardTiling:
   fused_dq: bool = False
   dq_turns: bool = False
   static_consumers: bool = False
+  unmasked_first: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_kv"):
@@ -249,6 +256,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
   # The dQ tile [bq, H] of a step is two 64 x 64 halves, one per consumer:
   # split along H (bq = 64) or along the rows (H = 64, bq = 128).
   split_cols = h == 2 * ROWS
+  order = tiling.unmasked_first
 
   def kernel(*refs):
     if fused:
@@ -306,7 +314,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
 
       def step(i, carry, masked: bool, gi):
         dk, dv = carry
-        n_step = gi * per_head + i - lo
+        n_step = gi * per_head + visit_position(blocks, i, order)
         slot = lax.rem(n_step, jnp.int32(stages))
         plgpu.barrier_wait(in_bar.at[slot])
 
@@ -390,7 +398,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
         return dk, dv
 
       def head(gi, carry):
-        return visit_blocks(blocks, functools.partial(step, gi=gi), carry)
+        return visit_blocks(blocks, functools.partial(step, gi=gi), carry,
+                            unmasked_first=order)
 
       dk, dv = lax.fori_loop(0, g, head, (_zeros(ROWS, h), _zeros(ROWS, h)))
       if fused:  # the other consumer's last dS·K may still read our K rows
@@ -423,7 +432,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
       def add_dq(step):
         """Adds the dQ tile of ``step`` (stored by that step's consumer)
         into dq_ref, then hands the buffer to the next step's consumer."""
-        gi, i = lax.div(step, per), lo + lax.rem(step, per)
+        gi = lax.div(step, per)
+        i = visit_block(blocks, lax.rem(step, per), order)
         turn = lax.rem(step, jnp.int32(2))
         plgpu.barrier_wait(dq_ready.at[turn])
         for part in range(2):
@@ -436,7 +446,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
       def _(step):
         slot = lax.rem(step, jnp.int32(stages))
         head = kv_head * g + lax.div(step, per)
-        q0 = (lo + lax.rem(step, per)) * bq
+        q0 = visit_block(blocks, lax.rem(step, per), order) * bq
 
         @pl.when(step >= stages)
         def _():
