@@ -107,7 +107,7 @@ def _differentiated(static: _Static, call) -> _Static:
   """``static`` with the config of each branch that a kernel backward
   follows replaced by :meth:`SageConfig.differentiated`. A chosen
   (per-platform) backend that does not serve that config (the Mosaic
-  kernel's 16-bit P·V above H=128) hands the branch to its backward's
+  kernel with FP32 inputs above H=128) hands the branch to its backward's
   backend; a named one raises."""
   def branch(name, config, chosen: bool):
     backward = backends.backward_of(name, call, config)

@@ -739,30 +739,35 @@ def test_gpu_flax_training_matches_exact():
   assert rel < 0.01, (rel, sage[-20:].mean(), exact[-20:].mean())
 
 
-def test_grad_hands_h256_mosaic_branches_to_the_pallas_forward(
+def test_grad_hands_unserved_mosaic_branches_to_the_pallas_forward(
     qkv, monkeypatch):
   """Under ``jax.grad`` the forward runs the differentiated config (16-bit
-  P·V), which the Mosaic kernel serves only up to H=128: a per-platform
-  branch that chose "mosaic" at H=256 runs "pallas" (whose backward follows
-  anyway); at H=128 it stays; a named "mosaic" says why it cannot. (The
-  "pallas" backward counts as available, as on a GPU.)"""
+  P·V). A per-platform branch that chose "mosaic" for a call the Mosaic
+  kernel does not serve under it (FP32 inputs above H=128) runs "pallas"
+  (whose backward follows anyway); 16-bit inputs stay on "mosaic" at
+  H=128 and at H=256 (where the "pallas" backward follows the Mosaic
+  forward); a named "mosaic" says why it cannot. (The "pallas" backward
+  counts as available, as on a GPU.)"""
   from sagejax import api  # pylint: disable=g-import-not-at-top
   pallas = backends.registry()["pallas"]
   monkeypatch.setattr(type(pallas), "available", lambda self: True)
   cfg = PRESETS["sage2-8b"]
-  for h, want in ((256, "pallas"), (128, "mosaic")):
-    q, k, v = qkv(1, 64, 64, 2, 2, h, dtype=jnp.bfloat16)
+  for h, dtype, want in ((256, jnp.float32, "pallas"),
+                         (256, jnp.bfloat16, "mosaic"),
+                         (128, jnp.bfloat16, "mosaic")):
+    q, k, v = qkv(1, 64, 64, 2, 2, h, dtype=dtype)
     call = _inputs.parse(q, k, v, is_causal=True)
     static = api._Static(config=cfg, spec=call.spec, sm_scale=call.sm_scale,
                          backend="xla", layout=call.layout,
                          per_platform=(("cuda", "mosaic", cfg),))
     got = api._differentiated(static, call)
-    assert got.per_platform == (("cuda", want,
-                                 cfg.differentiated(jnp.bfloat16)),)
+    assert got.per_platform == (("cuda", want, cfg.differentiated(dtype)),)
     assert (got.backend, got.config) == ("xla", cfg)
     named = dataclasses.replace(static, backend="mosaic", per_platform=())
-    if h == 256:
+    if want == "pallas":
       with pytest.raises(ValueError, match="head dims above 128"):
         api._differentiated(named, call)
     else:
       assert api._differentiated(named, call).backend == "mosaic"
+      backward = backends.backward_of("mosaic", call, got.per_platform[0][2])
+      assert backward.name == ("mosaic" if h == 128 else "pallas")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import sagejax
-from sagejax import PRESETS, SageConfig, _inputs, quant, testing
+from sagejax import PRESETS, SageConfig, _inputs, backends, quant, testing
 from sagejax.backends import mosaic, xla
 from sagejax.kernels import mosaic_attention, triton_quantize
 from sagejax.kernels.mosaic_attention import MosaicTiling
@@ -131,6 +131,7 @@ LOWER_CASES = [
     ("sage2-4b", "BNTH", dict(), 64),
     ("sage2-8b", "BTNH", dict(is_causal=True), 256),
     ("sage2-8b", "BNTH", dict(local_window_size=(50, 3)), 192),
+    ("sage1", "BTNH", dict(is_causal=True), 256),  # 16-bit P·V in parts
 ]
 
 
@@ -148,6 +149,34 @@ def test_lowers_for_cuda(preset, layout, masks, h):
   text = jax.jit(f).trace(q, k, v).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "sage_quantize_v" in text
+
+
+@pytest.mark.parametrize("layout,lengths", [("BTNH", False),
+                                            ("BNTH", True)])
+def test_training_forward_above_head_dim_128_lowers_for_cuda(layout,
+                                                            lengths):
+  """The forward jax.grad differentiates (16-bit P·V) runs on the Mosaic
+  kernel at H=256 too, in 64-key steps and 128-column parts, reading V in
+  place (copied where key lengths could bring a masked key's NaN), and
+  keeps its residual (output, LSE, lse₂) for the backward."""
+  q, k, v = _data(2, 200, 512, 4, 2, 256, layout=layout)
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  kwargs = dict(is_causal=True, causal_alignment="bottom_right")
+  if lengths:
+    kwargs["key_value_seq_lengths"] = jnp.array([512, 99])
+  assert mosaic.BACKEND.unsupported(
+      _inputs.parse(q, k, v, layout=layout, **kwargs), config) is None
+
+  def f(q, k, v):
+    call = _inputs.parse(q, k, v, layout=layout, **kwargs)
+    return mosaic.BACKEND.forward_residual(call, config)
+
+  traced = jax.jit(f).trace(q, k, v)
+  assert [x.shape for x in traced.out_info] == [q.shape, (2, 4, 200),
+                                                (2, 4, 200)]
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu_v2") == 1
+  assert ("sage_quantize_v" in text) == lengths
 
 
 WARP16 = dict(num_warps=8)  # 16-row warps: SageAttention2's sm90 Q groups
@@ -328,6 +357,11 @@ def test_default_tiling_is_persistent_only_for_ordered_tiles():
   wide = mosaic.default_tiling(256, config, _inputs.parse(q2, k2, v2))
   assert (wide.persistent, wide.pv_part_cols) == (False, 32)
   assert pick().pv_part_cols == 128
+  # 16-bit P·V at H=256 (the training forward): 64-key steps (a 16-bit V
+  # tile of 128 keys does not fit shared memory beside K's), 128-column parts.
+  wide16 = mosaic.default_tiling(256, PRESETS["sage1"],
+                                 _inputs.parse(q2, k2, v2))
+  assert (wide16.block_kv, wide16.pv_part_cols) == (64, 128)
 
 
 def test_shared_memory_budget_is_checked_on_cpu():
@@ -354,8 +388,7 @@ def test_unsupported_calls_name_the_reason():
   q2, k2, v2 = _data(1, 16, 16, 2, 2, 256)
   call = _inputs.parse(q2, k2, v2)
   assert mosaic.BACKEND.unsupported(call, cfg) is None  # FP8 P·V at H=256
-  assert "head dims above 128" in mosaic.BACKEND.unsupported(
-      call, PRESETS["sage1"])
+  assert mosaic.BACKEND.unsupported(call, PRESETS["sage1"]) is None  # 16-bit
   assert "head dims above 128" in mosaic.BACKEND.unsupported(
       _inputs.parse(*(x.astype(jnp.float32) for x in (q2, k2, v2))), cfg)
   assert "head dims up to 128" in mosaic.BACKEND.backward_unsupported(
@@ -400,6 +433,9 @@ GPU_CASES = [
     ("sage2-8b", (1, 17, 300, 4, 4, 256), dict(lengths=True, layout="BNTH")),
     ("sage2-8b", (1, 1000, 1000, 4, 2, 192), dict(local_window_size=(200, 10))),
     ("sage2-4b", (1, 1000, 1000, 4, 4, 256), dict(is_causal=True)),
+    # 16-bit P·V above H=128: 64-key steps, 128-column parts
+    ("sage1", (2, 1000, 777, 8, 2, 256), dict(is_causal=True)),
+    ("sage1", (1, 17, 300, 4, 4, 256), dict(lengths=True, layout="BNTH")),
 ]
 
 
@@ -729,7 +765,6 @@ def test_gpu_forward_residual_lse2_matches_the_statistics_pass(causal):
 @needs_hopper
 def test_gpu_default_implementation_is_mosaic():
   q, k, v = _data(1, 256, 256, 4, 4, 64)
-  from sagejax import backends
   assert backends.select(None, _inputs.parse(q, k, v),
                          PRESETS["sage2-8b"]).name == "mosaic"
   mask = jnp.ones((1, 1, 256, 256), bool)
@@ -958,17 +993,20 @@ BWD_GPU_CASES = [
 ]
 
 
-def _mosaic_grads_vs_exact(shape, kwargs, stats, kind):
+def _mosaic_grads_vs_exact(shape, kwargs, stats, kind,
+                           mosaic_backward: bool = True):
   """(got, want): jax.grad through implementation="mosaic" (its forward,
-  then the Mosaic backward) and through the exact FP32 "xla" backward, with
-  the LSE's cotangent too; outputs poisoned first."""
+  then the Mosaic backward, or with ``mosaic_backward=False`` the one it
+  borrows) and through the exact FP32 "xla" backward, with the LSE's
+  cotangent too; outputs poisoned first."""
   b, t, s, n, kh, h = shape
   layout, kwargs = _case_kwargs(b, t, s, kwargs)
   q, k, v = _data(b, t, s, n, kh, h, kind=kind, layout=layout)
   do = jax.random.normal(jax.random.PRNGKey(next(_seed)), q.shape, q.dtype)
   config = PRESETS["sage2-8b"].replace(backward_stats=stats)
   call = _inputs.parse(q, k, v, layout=layout, **kwargs)
-  assert mosaic.BACKEND.backward_unsupported(call, config) is None
+  assert (mosaic.BACKEND.backward_unsupported(call, config) is None
+          ) == mosaic_backward
   u = jax.random.normal(jax.random.PRNGKey(next(_seed)), (b, n, t))
 
   def grads(impl):
@@ -1043,6 +1081,36 @@ def test_gpu_mosaic_backward_dq_turns(shape, kwargs, stats, monkeypatch):
       mosaic.default_backward_tiling(h, fused_dq=True), dq_turns=True))
   got, want = _mosaic_grads_vs_exact(shape, kwargs, stats, "qkv_channel_bias")
   _check_grads(got, want, SAVED_BOUND if stats == "saved" else 0.999)
+
+
+H256_GRAD_CASES = [
+    ((2, 1000, 1000, 8, 2, 256), dict(is_causal=True)),
+    ((1, 777, 1023, 4, 4, 256), dict(lengths=True, layout="BNTH")),
+    ((1, 1000, 1000, 4, 2, 192), dict(is_causal=True,
+                                      local_window_size=(300, 0))),
+]
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("shape,kwargs", H256_GRAD_CASES)
+@pytest.mark.parametrize("kind", ["normal", "qkv_channel_bias"])
+def test_gpu_mosaic_forward_pallas_backward_above_head_dim_128(shape, kwargs,
+                                                               kind):
+  """Above H=128 jax.grad runs the Mosaic forward (16-bit P·V, 128-column
+  parts) and the "pallas" backward from its saved output and LSE:
+  gradients (with the LSE's cotangent) against the exact FP32 ones, cos >
+  0.999; outputs poisoned."""
+  b, t, s, n, kh, h = shape
+  layout, call_kwargs = _case_kwargs(b, t, s, kwargs)
+  q, k, v = _data(b, t, s, n, kh, h, kind=kind, layout=layout)
+  call = _inputs.parse(q, k, v, layout=layout, **call_kwargs)
+  diff = PRESETS["sage2-8b"].differentiated(q.dtype)
+  assert mosaic.BACKEND.unsupported(call, diff) is None
+  assert backends.backward_of("mosaic", call, diff).name == "pallas"
+  got, want = _mosaic_grads_vs_exact(shape, kwargs, "auto", kind,
+                                     mosaic_backward=False)
+  _check_grads(got, want, 0.999)
 
 
 @gpu

@@ -68,11 +68,16 @@ def default_tiling(head_dim: int, config: SageConfig,
   +3-6% at 4k, equal at 16k), Q quantized by the pass. Off the persistent
   grid, a 16-bit P·V kernel quantizes Q itself where
   :func:`quantize_q_in_kernel` allows (B21; on the persistent grid that
-  measured 5-15% slower, section 15). Above H=128 (FP8 P·V only), P·V and
-  its two-level accumulation run in parts of 32 output columns (section
-  18, H100, H=256: kernel +11-13% over parts of 64, +60-80% over 128;
-  the fewest registers spilled)."""
-  if head_dim > PARTS_ABOVE_HEAD_DIM:  # FP8 P·V only (see unsupported)
+  measured 5-15% slower, section 15). Above H=128, FP8 P·V and its
+  two-level accumulation run in parts of 32 output columns (section 18,
+  H100, H=256: kernel +11-13% over parts of 64, +60-80% over 128; the
+  fewest registers spilled); 16-bit P·V in 64-key steps (a 16-bit V tile
+  of 128 keys does not fit shared memory beside K's) and parts of 128
+  columns (section 20, H100: +4% over 64, 3 stages no better)."""
+  if head_dim > PARTS_ABOVE_HEAD_DIM:
+    if config.pv_dtype != "fp8_e4m3":  # a 16-bit V tile: 64-key steps
+      return MosaicTiling(block_kv=64, num_stages=2, consumer_registers=240,
+                          producer_registers=24, pv_part_cols=128)
     return MosaicTiling(block_kv=128, num_stages=2, consumer_registers=240,
                         producer_registers=24, pv_part_cols=32)
   if head_dim <= 64:
@@ -180,13 +185,10 @@ class _MosaicBackend:
       return "the kernel needs a positive scale"
     if call.logits_soft_cap is not None:
       return "logits_soft_cap is applied by the 'pallas' backend only"
-    if h > PARTS_ABOVE_HEAD_DIM and (
-        config.pv_dtype != "fp8_e4m3"
-        or jnp.dtype(call.q.dtype).itemsize != 2):
-      return (f"head dims above {PARTS_ABOVE_HEAD_DIM} run FP8 P·V with "
-              "16-bit inputs only (a 16-bit V tile or an f32 output tile "
-              "does not fit shared memory); the 'pallas' backend serves "
-              "the others")
+    if h > PARTS_ABOVE_HEAD_DIM and jnp.dtype(call.q.dtype).itemsize != 2:
+      return (f"head dims above {PARTS_ABOVE_HEAD_DIM} run with 16-bit "
+              "inputs only (an f32 output tile does not fit shared "
+              "memory); the 'pallas' backend serves the others")
     if config.smooth_q and config.block_q % 128:
       return "smoothed Q needs SageConfig.block_q a multiple of 128"
     return None

@@ -664,14 +664,13 @@ def attention_forward(
   if h % pv_cols or h > MAX_HEAD_DIM:
     raise ValueError(f"head dim {h}: pass 64, 128 or {MAX_HEAD_DIM} (pad "
                      "others up to one of them).")
-  if pv_parts > 1 and not (fp8 and jnp.dtype(out_dtype).itemsize == 2
+  if pv_parts > 1 and not (jnp.dtype(out_dtype).itemsize == 2
                            and quantize_q is None and not tiling.overlap_qk
                            and nc == 2):
-    raise ValueError(f"head dim {h} in parts of {pv_cols} columns runs FP8 "
-                     "P·V with a 16-bit output, Q "
-                     "quantized by the pass and two consumers without "
-                     "overlap_qk (shared memory and registers); pass "
-                     "H <= 128 for the others.")
+    raise ValueError(f"head dim {h} in parts of {pv_cols} columns runs with "
+                     "a 16-bit output, Q quantized by the pass and two "
+                     "consumers without overlap_qk (shared memory and "
+                     "registers); pass H <= 128 for the others.")
   num_kv_blocks = s_pad // bkv
   ds_rows = None if delta_s is None else config_block_q // rows_cta
   num_q_tiles = t_pad // rows_cta
@@ -925,12 +924,12 @@ def attention_forward(
         return p_op, lax.broadcast_in_dim(alpha, (bq, pv_cols), [0]), m_new, l
 
       def v_tile(slot, part: int = 0):
-        if fp8:
+        cols = pl.ds(part * pv_cols, pv_cols)
+        if fp8:  # [H, keys]
           if pv_parts > 1:
-            return v_smem.at[slot, pl.ds(part * pv_cols, pv_cols)].transpose(
-                (1, 0))
+            return v_smem.at[slot, cols].transpose((1, 0))
           return v_smem.at[slot].transpose((1, 0))
-        return v_smem.at[slot]
+        return v_smem.at[slot, :, cols] if pv_parts > 1 else v_smem.at[slot]
 
       def wait_for_v(slot):
         """Waits for step ``slot``'s V tile and the consumer's P·V turn."""
