@@ -12,8 +12,7 @@ with FP8 P·V).
 
 Calls it does not serve (``unsupported`` says why, and ``implementation=None``
 then picks the ``"pallas"`` backend): user ``mask``/``bias`` arrays, head dims
-above 128 with 16-bit P·V (``sage1``, the differentiated
-forward) or FP32 inputs, a negative ``scale``.
+above 128 with FP32 inputs, a negative ``scale``, ``logits_soft_cap``.
 
 Its backward (:mod:`sagejax.kernels.mosaic_backward`, 16-bit ``wgmma``)
 takes δ from the forward's saved output (``backward_stats="saved"``, and
@@ -22,7 +21,7 @@ dQ in the dK/dV kernel by TMA reduce-add; or computes the exact softmax
 statistics in its dQ kernel from the saved LSE as an estimate
 (``"recompute"``; the forward is run for it when no LSE is given). Calls
 it does not serve (``backward_unsupported``: FP32 inputs, the 8-bit
-backward) take the ``"pallas"`` backward kernels.
+backward, head dims above 128) take the ``"pallas"`` backward kernels.
 """
 
 from __future__ import annotations
