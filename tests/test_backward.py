@@ -213,6 +213,22 @@ def test_dq_by_atomics_matches_dq_kernel(qkv, next_key):
     assert _rel(g, w) < 1e-6
 
 
+def test_unmasked_first_matches_the_three_loop_order(qkv, next_key):
+  """The Triton backward visiting unmasked blocks first (then the masked
+  ones in one loop) gives the gradients of the three-loop order: causal
+  with a window (masked head and tail) and key lengths."""
+  q, k, v = qkv(2, 90, 110, 4, 2, 32, kind="channel_bias", dtype=jnp.float32)
+  do = jax.random.normal(next_key(), q.shape)
+  u = jax.random.normal(next_key(), (2, 4, 90))
+  call = _inputs.parse(q, k, v, is_causal=True, local_window_size=(40, 5),
+                       key_value_seq_lengths=jnp.array([110, 61]))
+  got, _ = _kernel_grads(call, RECOMPUTE, do, u,
+                         dataclasses.replace(TILING, unmasked_first=True))
+  want, _ = _kernel_grads(call, RECOMPUTE, do, u)
+  for g, w in zip(got[:3], want[:3]):
+    assert _rel(g, w) < 1e-6
+
+
 class _XlaForward(pallas_triton._PallasTritonBackend):
   """The kernel backward behind the "xla" forward (the same arithmetic as
   the kernels' forward, tested in test_pallas.py, and fast on CPU)."""

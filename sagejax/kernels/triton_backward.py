@@ -73,6 +73,9 @@ class BackwardTiling:
     dq_atomic: accumulate dQ in the dK/dV kernel with FP32 atomic adds (5
       products per tile pair) instead of the dQ kernel (7: it recomputes
       Q·Kᵀ and dO·Vᵀ).
+    unmasked_first: the dK/dV and dQ kernels visit the blocks every row
+      sees first, then the masked ones in one loop
+      (:func:`sagejax.kernels._common.visit_blocks`).
   """
 
   block_q: int = 64
@@ -84,6 +87,7 @@ class BackwardTiling:
   num_warps_dq: int = 8
   num_stages_dq: int = 2
   dq_atomic: bool = False
+  unmasked_first: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_k", "block_q_dq", "block_k_dq",
@@ -347,7 +351,8 @@ def _dkdv_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_ref,
                  dbias_ref, *, spec: MaskSpec, layout: str, q_layout: str,
                  block_q: int, block_k: int, groups: int, sm_scale: float,
                  num_q_blocks: int, all_masked: bool, int8: bool,
-                 dbias_heads: bool, dbias_batch: bool, interpret: bool):
+                 dbias_heads: bool, dbias_batch: bool, interpret: bool,
+                 unmasked_first: bool = False):
   del dq_in_ref, dbias_in_ref  # aliased to dq_ref, dbias_ref (zeros)
   j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q_len, kv_len = ql_ref[...], kl_ref[...]
@@ -406,7 +411,8 @@ def _dkdv_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_ref,
     return dk, dv
 
   def head(g, carry):
-    return visit_blocks(blocks, functools.partial(step, g), carry)
+    return visit_blocks(blocks, functools.partial(step, g), carry,
+                        unmasked_first=unmasked_first)
 
   h = k_ref.shape[-1]
   zeros = jnp.zeros((block_k, h), jnp.float32)
@@ -438,7 +444,8 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
                delta_ref, dlse_ref, kbar_ref, mask_ref, bias_ref, ql_ref,
                kl_ref, dq_ref, *, spec: MaskSpec, block_q: int, block_k: int,
                sm_scale: float, num_kv_blocks: int, all_masked: bool,
-               int8: bool, q_block_of, interpret: bool):
+               int8: bool, q_block_of, interpret: bool,
+               unmasked_first: bool = False):
   i = q_block_of(pl.program_id(0))
   q_len, kv_len = ql_ref[...], kl_ref[...]
   q_first = i * block_q
@@ -466,7 +473,8 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
     return dq + _dot(ds.astype(k.dtype), k)
 
   dq = visit_blocks(blocks, body, jnp.zeros((block_q, q_ref.shape[-1]),
-                                            jnp.float32))
+                                            jnp.float32),
+                    unmasked_first=unmasked_first)
   if dlse_ref is not None:  # Σ_j dS_ij = dLSE_i: the K mean's share
     dlse = jnp.where(lse2 < _INF, dlse_ref[...], 0.0)
     dq = dq + dlse[:, None] * kbar_ref[...][None, :]
@@ -667,7 +675,7 @@ def attention_backward(
       all_masked=all_masked, int8=int8 is not None,
       dbias_heads=dbias_shape is not None and dbias_shape[1] > 1,
       dbias_batch=dbias_shape is not None and dbias_shape[0] > 1,
-      interpret=interpret)
+      interpret=interpret, unmasked_first=tiling.unmasked_first)
   dk, dv, dq_acc, dbias = pl.pallas_call(
       kernel, grid=(nk, b, kh), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, input_output_aliases=aliases,
@@ -687,7 +695,8 @@ def attention_backward(
   kernel = functools.partial(
       _dq_kernel, spec=spec, block_q=bq2, block_k=bk2, sm_scale=sm_scale,
       num_kv_blocks=nk2, all_masked=all_masked, int8=int8 is not None,
-      q_block_of=i2, interpret=interpret)
+      q_block_of=i2, interpret=interpret,
+      unmasked_first=tiling.unmasked_first)
   if int8 is not None:
     q8_blk = pl.BlockSpec((None, None, bq2, h),
                           lambda x, y, z: (y, z, i2(x), 0))
