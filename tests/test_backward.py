@@ -199,31 +199,22 @@ def test_visit_order_is_one_permutation_for_consumers_and_producer(
       assert int(visit_position(blocks, jnp.int32(j), unmasked_first)) == t
 
 
-def test_dq_by_atomics_matches_dq_kernel(qkv, next_key):
-  """dQ accumulated by the dK/dV kernel with FP32 atomics = the dQ kernel."""
-  q, k, v = qkv(2, 70, 90, 4, 2, 32, kind="channel_bias", dtype=jnp.float32)
-  do = jax.random.normal(next_key(), q.shape)
-  u = jax.random.normal(next_key(), (2, 4, 70))
-  call = _inputs.parse(q, k, v, is_causal=True,
-                       key_value_seq_lengths=jnp.array([90, 41]))
-  got, _ = _kernel_grads(call, RECOMPUTE, do, u,
-                         dataclasses.replace(TILING, dq_atomic=True))
-  want, _ = _kernel_grads(call, RECOMPUTE, do, u)
-  for g, w in zip(got[:3], want[:3]):
-    assert _rel(g, w) < 1e-6
-
-
-def test_unmasked_first_matches_the_three_loop_order(qkv, next_key):
-  """The Triton backward visiting unmasked blocks first (then the masked
-  ones in one loop) gives the gradients of the three-loop order: causal
-  with a window (masked head and tail) and key lengths."""
+@pytest.mark.parametrize("field,window", [("dq_atomic", None),
+                                          ("unmasked_first", (40, 5))])
+def test_backward_tiling_variants_match_the_default(qkv, next_key, field,
+                                                   window):
+  """Tiling variants of the Triton backward give the default's gradients:
+  dQ accumulated by the dK/dV kernel with FP32 atomics (= the dQ kernel),
+  and the unmasked blocks visited first, then the masked ones in one loop
+  (= the three-loop order; a window masks a head and a tail). Causal, key
+  lengths."""
   q, k, v = qkv(2, 90, 110, 4, 2, 32, kind="channel_bias", dtype=jnp.float32)
   do = jax.random.normal(next_key(), q.shape)
   u = jax.random.normal(next_key(), (2, 4, 90))
-  call = _inputs.parse(q, k, v, is_causal=True, local_window_size=(40, 5),
+  call = _inputs.parse(q, k, v, is_causal=True, local_window_size=window,
                        key_value_seq_lengths=jnp.array([110, 61]))
   got, _ = _kernel_grads(call, RECOMPUTE, do, u,
-                         dataclasses.replace(TILING, unmasked_first=True))
+                         dataclasses.replace(TILING, **{field: True}))
   want, _ = _kernel_grads(call, RECOMPUTE, do, u)
   for g, w in zip(got[:3], want[:3]):
     assert _rel(g, w) < 1e-6
