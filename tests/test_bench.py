@@ -354,10 +354,9 @@ def test_kernel_profile_reads_nested_regions(tmp_path, monkeypatch):
 
 def test_mosaic_sass_finds_loops_and_the_ptx(monkeypatch):
   """benchmarks/mosaic_sass.py: the PTX modules of a Mosaic dump log (the
-  first, or the first holding a string),
-  and each loop of ``nvdisasm -c`` output (a backward branch's span) with
-  its opcode counts; branches after the last EXIT (barrier-wait retries)
-  are not loops."""
+  first, or the first holding a string), and each loop of ``nvdisasm -c``
+  output (a backward branch's span) with its opcode counts; branches after
+  the last EXIT (barrier-wait retries) are not loops."""
   monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1]
                                   / "benchmarks"))
   import mosaic_sass  # pylint: disable=import-outside-toplevel
