@@ -5,7 +5,10 @@
 
 Each variant replaces fields of the default fused backward tiling
 (``mosaic.default_backward_tiling(h, fused_dq=True)``; "base" is the
-default itself). First the gradients of ``sagejax.attention`` under each
+default itself); with ``--triton``, of the Triton backward's
+(``pallas_triton.default_backward_tiling(h)``, e.g. ``--triton --shapes
+"256,4096,1,32" --variants "uf:unmasked_first=1"``; above H=128 a
+training step runs that backward after the Mosaic forward). First the gradients of ``sagejax.attention`` under each
 variant against exact FP32 attention (cosine of dQ, dK, dV; fresh data),
 then training steps (``value_and_grad`` of sum(out·dO), B=2, N=32, bf16)
 beside cuDNN's, in short blocks of calls, the variants in turn, each round
@@ -16,8 +19,7 @@ import dataclasses, json, os, sys, time
 import jax, jax.numpy as jnp, numpy as np
 import sagejax
 from sagejax import testing
-from sagejax.backends import mosaic
-from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
+from sagejax.backends import mosaic, pallas_triton
 
 OUT = os.environ.get("OUT", ".")
 VARIANTS = {"base": {}}
@@ -25,10 +27,16 @@ SPEED_SHAPES = [(128, 4096, False, 32), (128, 8192, False, 32),
                 (128, 16384, False, 32), (64, 4096, False, 32),
                 (64, 16384, False, 32), (128, 4096, False, 8)]
 NO_ACCURACY = False
+BACKEND = mosaic.BACKEND  # --triton: pallas_triton.BACKEND
 
 def tiling_for(h, name):
-  base = mosaic.default_backward_tiling(h, fused_dq=True)
-  return dataclasses.replace(base, **VARIANTS[name])
+  if BACKEND is mosaic.BACKEND:
+    base = mosaic.default_backward_tiling(h, fused_dq=True)
+  else:
+    base = pallas_triton.default_backward_tiling(h)
+  fields = {k: bool(v) if isinstance(getattr(base, k), bool) else v
+            for k, v in VARIANTS[name].items()}
+  return dataclasses.replace(base, **fields)
 
 def make_step(h, name, causal):
   def loss(q, k, v, do):
@@ -54,21 +62,26 @@ def cos(a, b):
   return float(a @ b / np.sqrt((a @ a) * (b @ b)))
 
 def compiled(h, name, causal, args):
-  old = mosaic.BACKEND.backward_tiling
-  mosaic.BACKEND.backward_tiling = tiling_for(h, name)
+  old = BACKEND.backward_tiling
+  BACKEND.backward_tiling = tiling_for(h, name)
   try:
     f = make_step(h, name, causal)
     jax.block_until_ready(f(*args))
   finally:
-    mosaic.BACKEND.backward_tiling = old
+    BACKEND.backward_tiling = old
   return f
 
 def main():
   rows = []
   # 1. accuracy vs exact (fresh data per case), each variant
-  for kind, causal, shape in [] if NO_ACCURACY else [("normal", False, (1, 2048, 8, 8, 128)), ("qkv_channel_bias", False, (1, 2048, 8, 8, 128)),
-                              ("channel_bias", False, (2, 1000, 8, 2, 128)), ("normal", False, (1, 1000, 4, 4, 64)),
-                              ("qkv_channel_bias", True, (1, 2048, 8, 8, 128))]:
+  cases = ([("normal", True, (1, 2048, 8, 2, 256)),
+            ("qkv_channel_bias", True, (1, 1000, 8, 8, 256)),
+            ("channel_bias", False, (2, 1000, 8, 2, 256))]
+           if BACKEND is pallas_triton.BACKEND else  # it serves H > 128
+           [("normal", False, (1, 2048, 8, 8, 128)), ("qkv_channel_bias", False, (1, 2048, 8, 8, 128)),
+            ("channel_bias", False, (2, 1000, 8, 2, 128)), ("normal", False, (1, 1000, 4, 4, 64)),
+            ("qkv_channel_bias", True, (1, 2048, 8, 8, 128))])
+  for kind, causal, shape in [] if NO_ACCURACY else cases:
     b, t, n, kh, h = shape
     q, k, v = testing.make_qkv(jax.random.key(int(time.time()) % 1000), b, t, t, n, kh, h, kind, jnp.bfloat16)
     do = jax.random.normal(jax.random.key(7), q.shape, jnp.bfloat16)
@@ -129,9 +142,13 @@ if __name__ == "__main__":
   p.add_argument("--shapes", default=None,
                  help='"H,S,causal,kv_heads;..." to time (B=2, N=32)')
   p.add_argument("--no-accuracy", action="store_true")
+  p.add_argument("--triton", action="store_true",
+                 help="variants of the Triton backward's tiling instead")
   args = p.parse_args()
   OUT = args.out
   NO_ACCURACY = args.no_accuracy
+  if args.triton:
+    BACKEND = pallas_triton.BACKEND
   if args.shapes:
     SPEED_SHAPES = [tuple(int(x) for x in item.split(","))
                     for item in args.shapes.split(";") if item]
