@@ -923,6 +923,72 @@ def test_backward_unmasked_first_lowers_for_cuda(h, layout, turns):
   assert text != lowered(False)
 
 
+@pytest.mark.parametrize("layout,causal", [("BTNH", True), ("BNTH", False)])
+def test_backward_wide_dkdv_lowers_for_cuda(layout, causal):
+  """WIP (not yet run on a GPU): the dK/dV kernel for head dims above 128
+  (consumers split dK and dV by columns, Pᵀ and dSᵀ handed over in shared
+  memory) lowers for CUDA, GQA, causal or not."""
+  from sagejax.kernels import mosaic_backward as mb
+  b, n, kh, t, s, h = 1, 4, 2, 256, 320, 256
+  q, k, v = _data(b, t, s, n, kh, h, layout=layout)
+  rows = jnp.zeros((b, n, t), jnp.float32)
+  lengths = (jnp.full((b,), t, jnp.int32), jnp.full((b,), 300, jnp.int32))
+  spec = MaskSpec(causal, "bottom_right", None, t, 300)
+  s_pad = 384
+
+  def f(q, k, v):
+    pad = lambda x: jnp.pad(x, [(0, 0)] * 4) if x is q else jnp.pad(
+        x, [(0, 0), (0, s_pad - s), (0, 0), (0, 0)] if layout == "BTNH"
+        else [(0, 0), (0, 0), (0, s_pad - s), (0, 0)])
+    return mb._dkdv_wide(
+        q, pad(k), pad(v), q, rows, rows, *lengths, spec=spec, c=0.1,
+        sm_scale=0.06, layout=layout,
+        tiling=mb.MosaicBackwardTiling(unmasked_first=True),
+        dims=(b, n, t, h, kh, s_pad))
+
+  text = jax.jit(f).trace(q, k, v).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu_v2") == 1
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_wide_dkdv_matches_exact(causal):
+  """WIP kernel (NOTES B29): dK and dV at H=256 from the column-split
+  kernel, given exact statistics (lse₂ of K smoothed by its mean, δ =
+  rowsum(dO ∘ O)), against exact FP32 gradients, GQA, channel-bias data;
+  outputs poisoned."""
+  from sagejax.kernels import mosaic_backward as mb
+  b, t, n, kh, h = 1, 1024, 4, 2, 256
+  q, k, v = _data(b, t, t, n, kh, h, kind="qkv_channel_bias")
+  do = jax.random.normal(jax.random.PRNGKey(next(_seed)), q.shape, q.dtype)
+  sm = h ** -0.5
+  kc = (k.astype(jnp.float32) - k.astype(jnp.float32).mean(
+      axis=1, keepdims=True)).astype(k.dtype)
+  rep = lambda x: jnp.repeat(x.astype(jnp.float32), n // kh, axis=2)
+  logits = jnp.einsum("bqnh,bknh->bnqk", q.astype(jnp.float32), rep(kc)) * sm
+  if causal:
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -jnp.inf)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  out = jnp.einsum("bnqk,bknh->bqnh", jnp.exp(logits - lse[..., None]),
+                   rep(v))
+  delta = jnp.einsum("bqnh,bqnh->bnq", out, do.astype(jnp.float32))
+  lengths = jnp.full((b,), t, jnp.int32)
+  spec = MaskSpec(causal, "top_left", None, t, t)
+  _poison(8 * q.size * 4)
+  dk, dv = jax.jit(lambda *a: mb._dkdv_wide(
+      *a, lengths, lengths, spec=spec, c=sm * quant.LOG2E, sm_scale=sm,
+      layout="BTNH", tiling=mb.MosaicBackwardTiling(unmasked_first=True),
+      dims=(b, n, t, h, kh, t)))(q, kc, v, do, lse * quant.LOG2E, delta)
+  _, want_dk, want_dv = jax.grad(lambda q, k, v: jnp.sum(
+      sagejax.exact_attention(q, k, v, is_causal=causal).astype(jnp.float32)
+      * do.astype(jnp.float32)), (0, 1, 2))(q, k, v)
+  for got, want in ((dk, want_dk), (dv, want_dv)):
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert testing.error_metrics(got, want)["cos_sim"] > 0.999
+
+
 def test_default_backward_tiling_by_head_dim():
   """The fused kernel's defaults (NOTES B15, B16, B27): dq_turns at H=64
   only (faster there, causal or not; slower at H=128), a copy of the

@@ -167,6 +167,40 @@ def _visible(spec: MaskSpec, q_first, k_first, shape, q_len, kv_len, *,
   return spec.visible_at(queries, keys, q_len, kv_len)
 
 
+def _stream_query_tiles(refs, smems, in_bar, free, *, stages: int, kv_head,
+                        g: int, per, total, blocks, order: bool, bq: int,
+                        layout: str, batch, after=None) -> None:
+  """A dK/dV kernel's producer: for each of the ``total`` steps (``per``
+  query blocks for each of the group's ``g`` heads, in the consumers'
+  visiting order), once its ring slot is free again, the block's Q, lse₂,
+  δ and dO rows (``refs``/``smems``: those four) into it; then
+  ``after(step)``, if given."""
+  q_ref, lse_ref, dl_ref, do_ref = refs
+  q_smem, lse_smem, dl_smem, do_smem = smems
+
+  @pl.loop(0, total)
+  def _(step):
+    slot = lax.rem(step, jnp.int32(stages))
+    head = kv_head * g + lax.div(step, per)
+    q0 = visit_block(blocks, lax.rem(step, per), order) * bq
+
+    @pl.when(step >= stages)
+    def _():
+      plgpu.barrier_wait(free.at[slot])
+
+    bar = in_bar.at[slot]
+    plgpu.copy_gmem_to_smem(tile_rows(q_ref, layout, batch, head, q0, bq),
+                            q_smem.at[slot], bar)
+    plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, pl.ds(q0, bq)],
+                            lse_smem.at[slot], bar)
+    plgpu.copy_gmem_to_smem(dl_ref.at[batch, head, pl.ds(q0, bq)],
+                            dl_smem.at[slot], bar)
+    plgpu.copy_gmem_to_smem(tile_rows(do_ref, layout, batch, head, q0, bq),
+                            do_smem.at[slot], bar)
+    if after is not None:
+      after(step)
+
+
 def attention_backward(
     q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array,
     lse2: jax.Array, delta: jax.Array, d_lse: jax.Array, k_mean: jax.Array,
@@ -442,31 +476,17 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.barrier_arrive(dq_free.at[1 - turn])
 
-      @pl.loop(0, total)
-      def _(step):
-        slot = lax.rem(step, jnp.int32(stages))
-        head = kv_head * g + lax.div(step, per)
-        q0 = visit_block(blocks, lax.rem(step, per), order) * bq
-
+      def after(step):  # after the loads, which wait on no dQ
         @pl.when(step >= stages)
         def _():
-          plgpu.barrier_wait(free.at[slot])
+          add_dq(step - stages)
 
-        bar = in_bar.at[slot]
-        plgpu.copy_gmem_to_smem(tile_rows(q_ref, layout, batch, head, q0, bq),
-                                q_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, pl.ds(q0, bq)],
-                                lse_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(dl_ref.at[batch, head, pl.ds(q0, bq)],
-                                dl_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(
-            tile_rows(do_ref, layout, batch, head, q0, bq),
-            do_smem.at[slot], bar)
-
-        if turns:  # after the loads, which wait on no dQ
-          @pl.when(step >= stages)
-          def _():
-            add_dq(step - stages)
+      _stream_query_tiles(
+          (q_ref, lse_ref, dl_ref, do_ref),
+          (q_smem, lse_smem, dl_smem, do_smem), in_bar, free, stages=stages,
+          kv_head=kv_head, g=g, per=per, total=total, blocks=blocks,
+          order=order, bq=bq, layout=layout, batch=batch,
+          after=after if turns else None)
 
       if turns:  # the last steps' dQ tiles
         @pl.loop(jnp.maximum(total - stages, 0), total)
@@ -511,6 +531,180 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
   return plgpu.kernel(entry, out_type=out_type, grid=mesh.grid,
                       grid_names=mesh.grid_names, num_threads=3,
                       thread_name="wg", compiler_params=params)(*inputs)
+
+
+def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
+               spec: MaskSpec, c: float, sm_scale: float, layout: str,
+               tiling: MosaicBackwardTiling, dims):
+  """dK, dV for head dims above 128 (WIP, not yet run on a GPU): a CTA owns
+  64 keys; consumer 0 makes Sᵀ = K·Qᵀ and Pᵀ, consumer 1 dPᵀ = V·dOᵀ and
+  dSᵀ from the Pᵀ consumer 0 leaves in shared memory; each then adds into
+  its own half of the columns of dV (Pᵀ·dO) and dK (dSᵀ·Q), 2 × 64 × H/2
+  f32 registers (benchmarks/NOTES.md B29)."""
+  b, n, t_pad, h, kh, s_pad = dims
+  g = n // kh
+  bq, stages = tiling.block_q, tiling.num_stages
+  num_q_blocks = t_pad // bq
+  dtype = q.dtype
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  half = h // 2
+  order = tiling.unmasked_first
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, ql_ref, kl_ref,
+             dk_ref, dv_ref, scratch):
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, pt_smem,
+     ds_smem) = scratch[0]
+    (kv_bar, in_bar, free, pt_ready, pt_free, ds_ready, ds_free) = scratch[1]
+    kv_head = lax.axis_index("kv_heads")
+    kt = lax.axis_index("kv_tiles")
+    batch = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    q_len, kv_len = ql_ref[batch], kl_ref[batch]
+    k0 = kt * ROWS
+    blocks = query_blocks(spec, k0, ROWS, q_len, kv_len, bq, num_q_blocks,
+                          False)
+    lo, hi = blocks[0], blocks[3]
+    per_head = hi - lo
+
+    def cols(c_):
+      return pl.ds(c_ * half, half)
+
+    def consumer(c_: int):
+      plgpu.set_max_registers(tiling.consumer_registers, action="increase")
+      # K and V rows as two column halves each (a half is what each
+      # consumer stores its dK and dV through: TMA needs contiguous tiles).
+      for ref, smem in ((k_ref, k_smem), (v_ref, v_smem)):
+        plgpu.copy_gmem_to_smem(
+            tile_rows(ref, layout, batch, kv_head, k0, ROWS).at[:, cols(c_)],
+            smem.at[c_], kv_bar)
+      plgpu.barrier_wait(kv_bar)
+      mine = cols(c_)
+
+      def whole_h(ref, smem, other):  # ref += smem (64 x H) · other (H x N)
+        for part in range(2):
+          plgpu.wgmma(ref, smem.at[part],
+                      other.at[:, cols(part)].transpose((1, 0)))
+
+      def step(i, carry, masked: bool, gi):
+        dk, dv = carry
+        n_step = gi * per_head + visit_position(blocks, i, order)
+        slot = lax.rem(n_step, jnp.int32(stages))
+        buf = lax.rem(n_step, jnp.int32(2))
+        plgpu.barrier_wait(in_bar.at[slot])
+        zeros = _zeros(ROWS, bq)
+
+        def hand_over(tile, smem, free_bar, ready_bar):
+          """``tile`` into buffer ``buf`` of ``smem`` for the other
+          consumer, once it is done with the one of two steps ago."""
+          @pl.when(n_step >= 2)
+          def _():
+            plgpu.barrier_wait(free_bar.at[buf])
+
+          smem.at[buf][...] = tile
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(ready_bar.at[buf])
+        if c_ == 0:  # Sᵀ = K·Qᵀ, Pᵀ
+          def scores(ref):
+            whole_h(ref, k_smem, q_smem.at[slot])
+          s_t = pl.run_state(scores)(plgpu.ACC.init(zeros))
+          lse = lax.broadcast_in_dim(load_all(lse_smem.at[slot], col_layout),
+                                     (ROWS, bq), [1])
+          p_t = jnp.exp2(s_t * c - lse)
+          if masked:
+            p_t = jnp.where(_visible(spec, i * bq, k0, (ROWS, bq), q_len,
+                                     kv_len, keys_on_rows=True), p_t, 0.0)
+          p16 = p_t.astype(dtype)
+          hand_over(p16, pt_smem, pt_free, pt_ready)
+
+          def grads(refs):  # dV[:, mine] += Pᵀ·dO, dK[:, mine] += dSᵀ·Q
+            plgpu.wgmma(refs[0], p16, do_smem.at[slot, :, mine])
+            plgpu.barrier_wait(ds_ready.at[buf])
+            plgpu.wgmma(refs[1], ds_smem.at[buf], q_smem.at[slot, :, mine])
+
+          dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv),
+                                        plgpu.ACC.init(dk)))
+          plgpu.barrier_arrive(ds_free.at[buf])
+        else:  # dPᵀ = V·dOᵀ, dSᵀ
+          def dprobs(ref):
+            whole_h(ref, v_smem, do_smem.at[slot])
+          dp_t = pl.run_state(dprobs)(plgpu.ACC.init(zeros))
+          dl = lax.broadcast_in_dim(load_all(dl_smem.at[slot], col_layout),
+                                    (ROWS, bq), [1])
+          plgpu.barrier_wait(pt_ready.at[buf])
+          p_t = load_all(pt_smem.at[buf], plgpu.Layout.WGMMA).astype(
+              jnp.float32)
+          ds16 = (p_t * (dp_t - dl)).astype(dtype)
+          hand_over(ds16, ds_smem, ds_free, ds_ready)
+
+          def grads(refs):
+            plgpu.wgmma(refs[1], ds16, q_smem.at[slot, :, mine])
+            plgpu.wgmma(refs[0], pt_smem.at[buf], do_smem.at[slot, :, mine])
+
+          dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv),
+                                        plgpu.ACC.init(dk)))
+          plgpu.barrier_arrive(pt_free.at[buf])
+        plgpu.barrier_arrive(free.at[slot])
+        return dk, dv
+
+      def head(gi, carry):
+        return visit_blocks(blocks, functools.partial(step, gi=gi), carry,
+                            unmasked_first=order)
+
+      dk, dv = lax.fori_loop(0, g, head, (_zeros(ROWS, half),
+                                          _zeros(ROWS, half)))
+      # Consumer 0 read K (Sᵀ) and consumer 1 V (dPᵀ) last, each before the
+      # other's last step ended: each may now overwrite its own half.
+      k_smem.at[c_][...] = (dk * sm_scale).astype(dk_ref.dtype)
+      v_smem.at[c_][...] = dv.astype(dv_ref.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          k_smem.at[c_],
+          tile_rows(dk_ref, layout, batch, kv_head, k0, ROWS).at[:, mine])
+      plgpu.copy_smem_to_gmem(
+          v_smem.at[c_],
+          tile_rows(dv_ref, layout, batch, kv_head, k0, ROWS).at[:, mine])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    for c_ in range(2):
+      pl.when(wg == c_)(functools.partial(consumer, c_))
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(tiling.producer_registers, action="decrease")
+      _stream_query_tiles(
+          (q_ref, lse_ref, dl_ref, do_ref),
+          (q_smem, lse_smem, dl_smem, do_smem), in_bar, free, stages=stages,
+          kv_head=kv_head, g=g, per=jnp.maximum(per_head, 1),
+          total=g * per_head, blocks=blocks, order=order, bq=bq,
+          layout=layout, batch=batch)
+
+  def entry(*refs):
+    smem = (
+        wgmma_smem((2, ROWS, half), dtype),  # K rows in column halves
+        wgmma_smem((2, ROWS, half), dtype),  # V rows
+        wgmma_smem((stages, bq, h), dtype),
+        wgmma_smem((stages, bq, h), dtype),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        wgmma_smem((2, ROWS, bq), dtype),  # Pᵀ of two steps
+        wgmma_smem((2, ROWS, bq), dtype),  # dSᵀ of two steps
+    )
+    one = lambda: plgpu.Barrier(num_arrivals=1, num_barriers=2)
+    barriers = (plgpu.Barrier(num_arrivals=4),  # K and V halves
+                plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                one(), one(), one(), one())
+    pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers,
+                  collective_axes="wg")
+
+  out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype),
+              jax.ShapeDtypeStruct(v.shape, v.dtype))
+  return plgpu.kernel(
+      entry, out_type=out_type, grid=(kh, s_pad // ROWS, b),
+      grid_names=("kv_heads", "kv_tiles", "batch"), num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True))(
+          q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
 
 
 def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
