@@ -603,6 +603,7 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
           smem.at[buf][...] = tile
           plgpu.commit_smem()
           plgpu.barrier_arrive(ready_bar.at[buf])
+
         if c_ == 0:  # Sᵀ = K·Qᵀ, Pᵀ
           def scores(ref):
             whole_h(ref, k_smem, q_smem.at[slot])
