@@ -5,8 +5,9 @@
     python benchmarks/lowered_digest.py | diff before.txt -
 
 Lowers the forward (sage2-8b and sage1, causal and not; H=256 in column
-parts), the backward (dQ fused and in its own kernel), the serving decode
-(8-bit and bf16 pages) and extend (8-bit pages) for CUDA
+parts), the backward (dQ fused and in its own kernel; H=256's column-split
+kernels), the serving decode (8-bit and bf16 pages) and extend (8-bit
+pages) for CUDA
 (``.lower(lowering_platforms=("cuda",))``, no GPU needed) with source
 locations left out of the MLIR
 (``jax_traceback_in_locations_limit=0``), and prints an MD5 per program. A
@@ -57,6 +58,9 @@ def programs():
       stats = mosaic.BACKEND.forward(call, config)
       return mosaic.BACKEND.backward(call, config, do, d_lse, stats, tiling)
     yield f"backward fused_dq={fused}", backward, (q, q, q, q, d_lse)
+  yield "backward H=256", functools.partial(
+      backward, config=PRESETS["sage2-8b"].replace(backward_stats="saved"),
+      tiling=None), (q256,) * 4 + (d_lse,)
   table = jnp.arange(64, dtype=jnp.int32).reshape(4, 16)
   lengths = jnp.full((4,), 900, jnp.int32)
   for quantized in (True, False):

@@ -391,8 +391,9 @@ def test_unsupported_calls_name_the_reason():
   assert mosaic.BACKEND.unsupported(call, PRESETS["sage1"]) is None  # 16-bit
   assert "head dims above 128" in mosaic.BACKEND.unsupported(
       _inputs.parse(*(x.astype(jnp.float32) for x in (q2, k2, v2))), cfg)
-  assert "head dims up to 128" in mosaic.BACKEND.backward_unsupported(
-      call, cfg)
+  assert "saved output" in mosaic.BACKEND.backward_unsupported(call, cfg)
+  assert mosaic.BACKEND.backward_unsupported(
+      call, cfg.differentiated(q2.dtype)) is None  # saved statistics
   assert mosaic.BACKEND.unsupported(_inputs.parse(q, k, v), cfg) is None
   if not ON_HOPPER:
     with pytest.raises(ValueError, match="not available"):
@@ -923,40 +924,62 @@ def test_backward_unmasked_first_lowers_for_cuda(h, layout, turns):
   assert text != lowered(False)
 
 
-@pytest.mark.parametrize("layout,causal", [("BTNH", True), ("BNTH", False)])
-def test_backward_wide_dkdv_lowers_for_cuda(layout, causal):
-  """WIP (not yet run on a GPU): the dK/dV kernel for head dims above 128
-  (consumers split dK and dV by columns, Pᵀ and dSᵀ handed over in shared
-  memory) lowers for CUDA, GQA, causal or not."""
-  from sagejax.kernels import mosaic_backward as mb
-  b, n, kh, t, s, h = 1, 4, 2, 256, 320, 256
-  q, k, v = _data(b, t, s, n, kh, h, layout=layout)
-  rows = jnp.zeros((b, n, t), jnp.float32)
-  lengths = (jnp.full((b,), t, jnp.int32), jnp.full((b,), 300, jnp.int32))
-  spec = MaskSpec(causal, "bottom_right", None, t, 300)
-  s_pad = 384
+@pytest.mark.parametrize("layout,h,masks", [
+    ("BTNH", 256, dict(is_causal=True, causal_alignment="bottom_right")),
+    ("BNTH", 192, dict(local_window_size=(100, 0), is_causal=True)),
+    ("BTNH", 256, dict()),
+])
+def test_backward_above_head_dim_128_lowers_for_cuda(layout, h, masks):
+  """Above H=128 the backward's column-split kernels (dQ, then dK/dV) lower
+  for CUDA on the CPU, after the forward whose output gives δ; GQA, key
+  lengths, head dims padded to 256."""
+  q, k, v = _data(2, 256, 320, 4, 2, h, layout=layout)
+  config = PRESETS["sage2-8b"].replace(backward_stats="saved")
 
-  def f(q, k, v):
-    pad = lambda x: jnp.pad(x, [(0, 0)] * 4) if x is q else jnp.pad(
-        x, [(0, 0), (0, s_pad - s), (0, 0), (0, 0)] if layout == "BTNH"
-        else [(0, 0), (0, 0), (0, s_pad - s), (0, 0)])
-    return mb._dkdv_wide(
-        q, pad(k), pad(v), q, rows, rows, *lengths, spec=spec, c=0.1,
-        sm_scale=0.06, layout=layout,
-        tiling=mb.MosaicBackwardTiling(unmasked_first=True),
-        dims=(b, n, t, h, kh, s_pad))
+  def f(q, k, v, do, d_lse):
+    call = _inputs.parse(q, k, v, layout=layout, **masks,
+                         key_value_seq_lengths=jnp.array([300, 99]))
+    assert mosaic.BACKEND.backward_unsupported(call, config) is None
+    stats = mosaic.BACKEND.forward(call, config)
+    return mosaic.BACKEND.backward(call, config, do, d_lse, stats)
 
-  text = jax.jit(f).trace(q, k, v).lower(
+  d_lse = jnp.ones((2, 4, 256), jnp.float32)
+  text = jax.jit(f).trace(q, k, v, q, d_lse).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert text.count("mosaic_gpu_v2") == 1
+  assert text.count("mosaic_gpu_v2") == 3  # forward, dQ, dK/dV
+
+
+def test_backward_above_head_dim_128_needs_saved_statistics():
+  """The column-split kernels take δ from the saved output: recomputing
+  the statistics above H=128 is the "pallas" backward's, and the kernels
+  say what to pass when called without δ or with tiles they cannot run."""
+  from sagejax.kernels import mosaic_backward as mb
+  q, k, v = _data(1, 128, 128, 2, 2, 256)
+  call = _inputs.parse(q, k, v)
+  recompute = PRESETS["sage2-8b"].replace(backward_stats="recompute")
+  assert "saved output" in mosaic.BACKEND.backward_unsupported(
+      call, recompute)
+  assert mosaic.BACKEND.backward_unsupported(
+      call, recompute.replace(backward_stats="saved")) is None
+  rows = jnp.zeros((1, 2, 128), jnp.float32)
+  lengths = jnp.full((1,), 128, jnp.int32)
+  kw = dict(sm_scale=0.06, layout="BTNH", q_lengths=lengths,
+            kv_lengths=lengths)
+  spec = MaskSpec(False, "top_left", None, 128, 128)
+  k_mean = jnp.zeros((1, 2, 256), jnp.float32)
+  with pytest.raises(ValueError, match="pass delta"):
+    mb.attention_backward(q, k, v, q, rows, None, rows, k_mean, spec, **kw)
+  with pytest.raises(ValueError, match="num_stages=2"):
+    mb.attention_backward(q, k, v, q, rows, rows, rows, k_mean, spec, **kw,
+                          tiling=mb.MosaicBackwardTiling(num_stages=3))
 
 
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_wide_dkdv_matches_exact(causal):
-  """WIP kernel (NOTES B29): dK and dV at H=256 from the column-split
-  kernel, given exact statistics (lse₂ of K smoothed by its mean, δ =
+def test_gpu_wide_kernels_match_exact(causal):
+  """The column-split kernels (NOTES B29-B30) alone: dQ, dK and dV at
+  H=256 given exact statistics (lse₂ of K smoothed by its mean, δ =
   rowsum(dO ∘ O)), against exact FP32 gradients, GQA, channel-bias data;
   outputs poisoned."""
   from sagejax.kernels import mosaic_backward as mb
@@ -964,8 +987,8 @@ def test_gpu_wide_dkdv_matches_exact(causal):
   q, k, v = _data(b, t, t, n, kh, h, kind="qkv_channel_bias")
   do = jax.random.normal(jax.random.PRNGKey(next(_seed)), q.shape, q.dtype)
   sm = h ** -0.5
-  kc = (k.astype(jnp.float32) - k.astype(jnp.float32).mean(
-      axis=1, keepdims=True)).astype(k.dtype)
+  k_mean = k.astype(jnp.float32).mean(axis=1)  # [B, K, H]
+  kc = (k.astype(jnp.float32) - k_mean[:, None]).astype(k.dtype)
   rep = lambda x: jnp.repeat(x.astype(jnp.float32), n // kh, axis=2)
   logits = jnp.einsum("bqnh,bknh->bnqk", q.astype(jnp.float32), rep(kc)) * sm
   if causal:
@@ -977,16 +1000,17 @@ def test_gpu_wide_dkdv_matches_exact(causal):
   lengths = jnp.full((b,), t, jnp.int32)
   spec = MaskSpec(causal, "top_left", None, t, t)
   _poison(8 * q.size * 4)
-  dk, dv = jax.jit(lambda *a: mb._dkdv_wide(
-      *a, lengths, lengths, spec=spec, c=sm * quant.LOG2E, sm_scale=sm,
-      layout="BTNH", tiling=mb.MosaicBackwardTiling(unmasked_first=True),
-      dims=(b, n, t, h, kh, t)))(q, kc, v, do, lse * quant.LOG2E, delta)
-  _, want_dk, want_dv = jax.grad(lambda q, k, v: jnp.sum(
+  got = jax.jit(lambda *a: mb.attention_backward(
+      *a, jnp.zeros_like(lse), k_mean, spec, sm_scale=sm, layout="BTNH",
+      q_lengths=lengths, kv_lengths=lengths,
+      tiling=mosaic.default_backward_tiling(h)))(
+          q, kc, v, do, lse * quant.LOG2E, delta)
+  want = jax.grad(lambda q, k, v: jnp.sum(
       sagejax.exact_attention(q, k, v, is_causal=causal).astype(jnp.float32)
       * do.astype(jnp.float32)), (0, 1, 2))(q, k, v)
-  for got, want in ((dk, want_dk), (dv, want_dv)):
-    assert np.all(np.isfinite(np.asarray(got, np.float32)))
-    assert testing.error_metrics(got, want)["cos_sim"] > 0.999
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(np.asarray(g, np.float32)))
+    assert testing.error_metrics(g, w)["cos_sim"] > 0.999
 
 
 def test_default_backward_tiling_by_head_dim():
@@ -1002,6 +1026,9 @@ def test_default_backward_tiling_by_head_dim():
   assert h128.unmasked_first
   unfused = mosaic.default_backward_tiling(64, fused_dq=False)
   assert not unfused.dq_turns and not unfused.static_consumers
+  # Above H=128: the column-split kernels, unmasked blocks first (B29).
+  wide = mosaic.default_backward_tiling(256, fused_dq=True)
+  assert not wide.fused_dq and wide.unmasked_first
 
 
 def test_backward_tiling_validation():
@@ -1071,8 +1098,8 @@ def _mosaic_grads_vs_exact(shape, kwargs, stats, kind,
   do = jax.random.normal(jax.random.PRNGKey(next(_seed)), q.shape, q.dtype)
   config = PRESETS["sage2-8b"].replace(backward_stats=stats)
   call = _inputs.parse(q, k, v, layout=layout, **kwargs)
-  assert (mosaic.BACKEND.backward_unsupported(call, config) is None
-          ) == mosaic_backward
+  assert (mosaic.BACKEND.backward_unsupported(
+      call, config.differentiated(q.dtype)) is None) == mosaic_backward
   u = jax.random.normal(jax.random.PRNGKey(next(_seed)), (b, n, t))
 
   def grads(impl):
@@ -1161,21 +1188,24 @@ H256_GRAD_CASES = [
 @needs_hopper
 @pytest.mark.parametrize("shape,kwargs", H256_GRAD_CASES)
 @pytest.mark.parametrize("kind", ["normal", "qkv_channel_bias"])
-def test_gpu_mosaic_forward_pallas_backward_above_head_dim_128(shape, kwargs,
-                                                               kind):
+@pytest.mark.parametrize("stats", ["auto", "recompute"])
+def test_gpu_mosaic_backward_above_head_dim_128(shape, kwargs, kind, stats):
   """Above H=128 jax.grad runs the Mosaic forward (16-bit P·V, 128-column
-  parts) and the "pallas" backward from its saved output and LSE:
+  parts), then from its saved output and LSE ("auto") the column-split
+  Mosaic backward, or recomputing the statistics the "pallas" one:
   gradients (with the LSE's cotangent) against the exact FP32 ones, cos >
   0.999; outputs poisoned."""
   b, t, s, n, kh, h = shape
   layout, call_kwargs = _case_kwargs(b, t, s, kwargs)
   q, k, v = _data(b, t, s, n, kh, h, kind=kind, layout=layout)
   call = _inputs.parse(q, k, v, layout=layout, **call_kwargs)
-  diff = PRESETS["sage2-8b"].differentiated(q.dtype)
+  config = PRESETS["sage2-8b"].replace(backward_stats=stats)
+  diff = config.differentiated(q.dtype)
   assert mosaic.BACKEND.unsupported(call, diff) is None
-  assert backends.backward_of("mosaic", call, diff).name == "pallas"
-  got, want = _mosaic_grads_vs_exact(shape, kwargs, "auto", kind,
-                                     mosaic_backward=False)
+  want_backend = "mosaic" if stats == "auto" else "pallas"
+  assert backends.backward_of("mosaic", call, diff).name == want_backend
+  got, want = _mosaic_grads_vs_exact(shape, kwargs, stats, kind,
+                                     mosaic_backward=stats == "auto")
   _check_grads(got, want, 0.999)
 
 

@@ -19,9 +19,11 @@ takes δ from the forward's saved output (``backward_stats="saved"``, and
 ``"auto"``, whose differentiated forward runs P·V in 16 bits) and accumulates
 dQ in the dK/dV kernel by TMA reduce-add; or computes the exact softmax
 statistics in its dQ kernel from the saved LSE as an estimate
-(``"recompute"``; the forward is run for it when no LSE is given). Calls
-it does not serve (``backward_unsupported``: FP32 inputs, the 8-bit
-backward, head dims above 128) take the ``"pallas"`` backward kernels.
+(``"recompute"``; the forward is run for it when no LSE is given). Head
+dims above 128 (up to 256) run column-split kernels with saved statistics
+only. Calls it does not serve (``backward_unsupported``: FP32 inputs, the
+8-bit backward, head dims above 128 recomputing the statistics) take the
+``"pallas"`` backward kernels.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from sagejax.kernels.mosaic_attention import (MosaicTiling, QuantizeQ,
                                               attention_forward)
 from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
 
-BACKWARD_MAX_HEAD_DIM = 128  # dK and dV of 64 keys in a consumer's registers
 # Above this head dim the forward runs FP8 P·V in column parts only (a
 # 16-bit V tile or an f32 output tile does not fit shared memory).
 PARTS_ABOVE_HEAD_DIM = 128
@@ -120,6 +121,8 @@ def default_backward_tiling(head_dim: int, fused_dq: bool = False
   the masked ones after them in one loop (``unmasked_first``; B27, H100
   training step: −3% at 4k causal, −6% at 8k and 16k causal, the unmasked
   loop's spills gone; 0 to +1.5% at H=64, so not there)."""
+  if head_dim > mosaic_backward.WIDE_ABOVE_HEAD_DIM:
+    return MosaicBackwardTiling(unmasked_first=True)
   if fused_dq:
     return MosaicBackwardTiling(block_q=8192 // head_dim, fused_dq=True,
                                 dq_turns=head_dim <= 64,
@@ -287,10 +290,11 @@ class _MosaicBackend:
               "'pallas' backward serves others")
     if config.backward_int8:
       return "the 8-bit backward (backward_int8) runs in the 'pallas' kernels"
-    if call.dims[3] > BACKWARD_MAX_HEAD_DIM:
-      return (f"the Hopper backward holds head dims up to "
-              f"{BACKWARD_MAX_HEAD_DIM} in registers; the 'pallas' backward "
-              "serves larger ones")
+    if (call.dims[3] > mosaic_backward.WIDE_ABOVE_HEAD_DIM
+        and not config.saved_stats):
+      return (f"above H={mosaic_backward.WIDE_ABOVE_HEAD_DIM} the Hopper "
+              "backward takes δ from the saved output "
+              "(backward_stats='saved'); the 'pallas' backward recomputes")
     return None
 
   def backward(self, call: ParsedCall, config: SageConfig, d_out: jax.Array,

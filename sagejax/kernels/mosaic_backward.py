@@ -26,6 +26,12 @@ run BF16/FP16 ``wgmma`` with FP32 accumulators:
   and adds dS·K into dQ. Causal CTAs run heaviest first. It runs first:
   given only an estimate of lse₂ it also returns the exact lse₂ and δ
   (no separate statistics pass).
+* Above H=128 (δ given) a consumer's 64 rows of two H-wide f32
+  accumulators do not fit its registers; both kernels split the columns
+  instead: a CTA owns 64 keys (dK/dV) or 64 query rows (dQ), one consumer
+  makes the probabilities and the other dP and dS, handing them to each
+  other through shared memory, and each adds into its half of the
+  accumulators' columns.
 * Or, with ``MosaicBackwardTiling.fused_dq``, dQ in the dK/dV kernel: the
   consumers put their dSᵀ rows in shared memory and each adds one 64 × 64
   half of the step's dS·K into an FP32 dQ by TMA reduce-add (given only an
@@ -57,6 +63,10 @@ from sagejax.kernels.mosaic_attention import (check_registers, load_all,
 from sagejax.masks import MaskSpec
 
 ROWS = 64  # rows per consumer warpgroup (the wgmma M tile); a CTA owns 2x
+# Above this head dim the kernels split dK/dV and dQ by columns over the two
+# consumers (_dkdv_wide, _dq_wide): a consumer's 64 rows of two H-wide f32
+# accumulators no longer fit its registers.
+WIDE_ABOVE_HEAD_DIM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +130,47 @@ class MosaicBackwardTiling:
     if self.dq_turns and not self.fused_dq:
       raise ValueError("MosaicBackwardTiling(dq_turns=True) needs "
                        "fused_dq=True (only the fused kernel adds into dQ).")
+
+
+def _check_wide(tiling: MosaicBackwardTiling, delta) -> None:
+  """The column-split kernels' limits (their shared memory: 225 KB)."""
+  if delta is None:
+    raise ValueError(
+        f"above H={WIDE_ABOVE_HEAD_DIM} the Mosaic backward takes δ from the "
+        "saved output (no statistics pass); pass delta, or run the 'pallas' "
+        "backward (SageConfig(backward_stats='recompute') does).")
+  if (tiling.block_q, tiling.block_kv, tiling.num_stages,
+      tiling.fused_dq) != (ROWS, ROWS, 2, False):
+    raise ValueError(
+        f"above H={WIDE_ABOVE_HEAD_DIM} the Mosaic backward runs "
+        f"MosaicBackwardTiling(block_q={ROWS}, block_kv={ROWS}, "
+        f"num_stages=2, fused_dq=False), got {tiling}.")
+
+
+def _hand_over(tile, smem, free_bar, ready_bar, *, n_step, buf) -> None:
+  """A column-split kernel's consumer leaves ``tile`` in buffer ``buf`` (of
+  two) of ``smem`` for the other consumer, once that one has freed it (the
+  tile of two steps ago), and arrives on ``ready_bar``."""
+  @pl.when(n_step >= 2)
+  def _():
+    plgpu.barrier_wait(free_bar.at[buf])
+
+  smem.at[buf][...] = tile
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(ready_bar.at[buf])
+
+
+def _query_cta(ql_ref, kl_ref, *, causal: bool, num_q_tiles: int, g: int):
+  """A dQ kernel CTA's (head, query tile, batch, warpgroup, KV head, query
+  length, key length); causal: the tiles with the most keys first."""
+  head = lax.axis_index("heads")
+  qt = lax.axis_index("q_tiles")
+  if causal:
+    qt = num_q_tiles - 1 - qt
+  batch = lax.axis_index("batch")
+  wg = lax.axis_index("wg")
+  kv_head = lax.div(head, jnp.int32(g))
+  return head, qt, batch, wg, kv_head, ql_ref[batch], kl_ref[batch]
 
 
 def _zeros(*shape: int, layout=plgpu.Layout.WGMMA) -> jax.Array:
@@ -213,7 +264,7 @@ def attention_backward(
   Args:
     q, d_out: ``[B, T_pad, N, H]`` (``layout="BTNH"``) or ``[B, N, T_pad,
       H]``, one 16-bit dtype; ``T_pad`` a multiple of 128 and of
-      ``tiling.block_q``; H 64 or 128.
+      ``tiling.block_q``; H 64, 128 or 256 (256: ``delta`` given).
     k, v: ``[B, S_pad, K, H]`` or ``[B, K, S_pad, H]``; ``k`` smoothed;
       ``S_pad`` a multiple of 128 and of ``tiling.block_kv``.
     lse2, delta: f32 ``[B, N, T_pad]`` (see the module docstring). With
@@ -236,8 +287,8 @@ def attention_backward(
   if len(dtypes) != 1 or dtypes.pop().itemsize != 2:
     raise ValueError("q, k, v and d_out must share one 16-bit dtype, got "
                      f"{[str(x.dtype) for x in (q, k, v, d_out)]}.")
-  if h not in (64, 128):
-    raise ValueError(f"head dim {h} must be 64 or 128 (pad it).")
+  if h not in (64, 128, 256):
+    raise ValueError(f"head dim {h} must be 64, 128 or 256 (pad it).")
   for size, tile, what in ((t_pad, 2 * ROWS, "T_pad"),
                            (t_pad, tiling.block_q, "T_pad"),
                            (s_pad, 2 * ROWS, "S_pad"),
@@ -245,6 +296,8 @@ def attention_backward(
     if size % tile:
       raise ValueError(f"{what}={size} must be a multiple of {tile}.")
   fused = tiling.fused_dq
+  if h > WIDE_ABOVE_HEAD_DIM:
+    _check_wide(tiling, delta)
   if fused and tiling.block_q * h != 2 * ROWS * ROWS:
     raise ValueError(
         f"MosaicBackwardTiling(fused_dq=True) needs block_q * H = "
@@ -253,6 +306,10 @@ def attention_backward(
   common = dict(spec=spec, c=sm_scale * quant.LOG2E, sm_scale=sm_scale,
                 layout=layout, tiling=tiling, dims=(b, n, t_pad, h, kh, s_pad))
   lengths = (q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32))
+  if h > WIDE_ABOVE_HEAD_DIM:
+    dq = _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, *lengths,
+                  **common)
+    return (dq, *_dkdv_wide(q, k, v, d_out, lse2, delta, *lengths, **common))
   if not fused:
     dq = _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, *lengths, **common)
     if delta is None:  # the dQ kernel made the exact statistics
@@ -536,7 +593,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
 def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
                spec: MaskSpec, c: float, sm_scale: float, layout: str,
                tiling: MosaicBackwardTiling, dims):
-  """dK, dV for head dims above 128 (WIP, not yet run on a GPU): a CTA owns
+  """dK, dV for head dims above 128, δ given: a CTA owns
   64 keys; consumer 0 makes Sᵀ = K·Qᵀ and Pᵀ, consumer 1 dPᵀ = V·dOᵀ and
   dSᵀ from the Pᵀ consumer 0 leaves in shared memory; each then adds into
   its own half of the columns of dV (Pᵀ·dO) and dK (dSᵀ·Q), 2 × 64 × H/2
@@ -592,17 +649,7 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
         buf = lax.rem(n_step, jnp.int32(2))
         plgpu.barrier_wait(in_bar.at[slot])
         zeros = _zeros(ROWS, bq)
-
-        def hand_over(tile, smem, free_bar, ready_bar):
-          """``tile`` into buffer ``buf`` of ``smem`` for the other
-          consumer, once it is done with the one of two steps ago."""
-          @pl.when(n_step >= 2)
-          def _():
-            plgpu.barrier_wait(free_bar.at[buf])
-
-          smem.at[buf][...] = tile
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(ready_bar.at[buf])
+        hand_over = functools.partial(_hand_over, n_step=n_step, buf=buf)
 
         if c_ == 0:  # Sᵀ = K·Qᵀ, Pᵀ
           def scores(ref):
@@ -708,6 +755,169 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
           q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
 
 
+def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
+             kv_lengths, *, spec: MaskSpec, c: float, sm_scale: float,
+             layout: str, tiling: MosaicBackwardTiling, dims):
+  """dQ for head dims above 128, δ given: :func:`_dkdv_wide`'s arrangement
+  turned around. A CTA owns 64 query rows of one head and the producer
+  streams the 64-key K and V tiles they see; consumer 0 makes S = Q·Kᵀ and
+  P, consumer 1 dP = dO·Vᵀ and, with the P consumer 0 leaves in shared
+  memory, dS, which it leaves for consumer 0; each adds dS·K into its own
+  half of dQ's columns (64 × H/2 f32 registers; benchmarks/NOTES.md B30)."""
+  b, n, t_pad, h, kh, s_pad = dims
+  g = n // kh
+  bkv, stages = tiling.block_kv, tiling.num_stages
+  num_kv_blocks = s_pad // bkv
+  num_q_tiles = t_pad // ROWS
+  dtype = q.dtype
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  half = h // 2
+  order = tiling.unmasked_first
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dlse_ref, km_ref,
+             ql_ref, kl_ref, dq_ref, scratch):
+    (rows_smem, vec_smem, km_smem, k_smem, v_smem, p_smem,
+     ds_smem) = scratch[0]
+    (row_bar, in_bar, free, p_ready, p_free, ds_ready, ds_free) = scratch[1]
+    head, qt, batch, wg, kv_head, q_len, kv_len = _query_cta(
+        ql_ref, kl_ref, causal=spec.is_causal, num_q_tiles=num_q_tiles, g=g)
+    row0 = qt * ROWS
+    rows_at = pl.ds(row0, ROWS)
+    blocks = key_blocks(spec, row0, ROWS, q_len, kv_len, bkv, num_kv_blocks,
+                        False)
+
+    def cols(c_):
+      return pl.ds(c_ * half, half)
+
+    def consumer(c_: int):
+      plgpu.set_max_registers(tiling.consumer_registers, action="increase")
+      # Consumer 0 reads Q, its rows' lse₂; consumer 1 dO and δ. Rows in
+      # column halves: each stores its dQ half through one (TMA stores
+      # contiguous tiles).
+      bar = row_bar.at[c_]
+      for part in range(2):
+        plgpu.copy_gmem_to_smem(
+            tile_rows((q_ref, do_ref)[c_], layout, batch, head, row0,
+                      ROWS).at[:, cols(part)], rows_smem.at[c_, part], bar)
+      plgpu.copy_gmem_to_smem((lse_ref, dl_ref)[c_].at[batch, head, rows_at],
+                              vec_smem.at[c_, 0], bar)
+      plgpu.copy_gmem_to_smem(dlse_ref.at[batch, head, rows_at],
+                              vec_smem.at[c_, 1], bar)
+      plgpu.copy_gmem_to_smem(km_ref.at[batch, kv_head, cols(c_)],
+                              km_smem.at[c_], bar)
+      plgpu.barrier_wait(bar)
+      mine = cols(c_)
+      row_vec = lax.broadcast_in_dim(
+          load_all(vec_smem.at[c_, 0], row_layout), (ROWS, bkv), [0])
+
+      def whole_h(ref, other):  # ref += rows (64 x H) · other (keys x H)ᵀ
+        for part in range(2):
+          plgpu.wgmma(ref, rows_smem.at[c_, part],
+                      other.at[:, cols(part)].transpose((1, 0)))
+
+      def step(j, dq, masked: bool):
+        n_step = visit_position(blocks, j, order)
+        slot = lax.rem(n_step, jnp.int32(stages))
+        buf = lax.rem(n_step, jnp.int32(2))
+        plgpu.barrier_wait(in_bar.at[slot])
+        zeros = _zeros(ROWS, bkv)
+        hand_over = functools.partial(_hand_over, n_step=n_step, buf=buf)
+
+        if c_ == 0:  # S = Q·Kᵀ, P
+          s = pl.run_state(lambda ref: whole_h(ref, k_smem.at[slot]))(
+              plgpu.ACC.init(zeros))
+          p = jnp.exp2(s * c - row_vec)
+          if masked:
+            p = jnp.where(_visible(spec, row0, j * bkv, (ROWS, bkv), q_len,
+                                   kv_len, keys_on_rows=False), p, 0.0)
+          hand_over(p.astype(dtype), p_smem, p_free, p_ready)
+          plgpu.barrier_wait(ds_ready.at[buf])
+          ds = ds_smem.at[buf]
+        else:  # dP = dO·Vᵀ, dS
+          dp = pl.run_state(lambda ref: whole_h(ref, v_smem.at[slot]))(
+              plgpu.ACC.init(zeros))
+          plgpu.barrier_wait(p_ready.at[buf])
+          p = load_all(p_smem.at[buf], plgpu.Layout.WGMMA).astype(
+              jnp.float32)
+          plgpu.barrier_arrive(p_free.at[buf])
+          ds = (p * (dp - row_vec)).astype(dtype)
+          hand_over(ds, ds_smem, ds_free, ds_ready)
+
+        def grad(acc_ref):  # dQ[:, mine] += dS·K[:, mine]
+          plgpu.wgmma(acc_ref, ds, k_smem.at[slot, :, mine])
+
+        dq = pl.run_state(grad)(plgpu.ACC.init(dq))
+        if c_ == 0:
+          plgpu.barrier_arrive(ds_free.at[buf])
+        plgpu.barrier_arrive(free.at[slot])
+        return dq
+
+      dq = visit_blocks(blocks, step, _zeros(ROWS, half),
+                        unmasked_first=order)
+      # Σ_j dS_ij = dLSE_i: the K mean's share of dQ.
+      dq = dq + (lax.broadcast_in_dim(load_all(vec_smem.at[c_, 1],
+                                               row_layout), (ROWS, half), [0])
+                 * lax.broadcast_in_dim(load_all(km_smem.at[c_], col_layout),
+                                        (ROWS, half), [1]))
+      out = rows_smem.at[c_, c_]  # this consumer alone read it, and is done
+      out[...] = (dq * sm_scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          out, tile_rows(dq_ref, layout, batch, head, row0, ROWS).at[:, mine])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    for c_ in range(2):
+      pl.when(wg == c_)(functools.partial(consumer, c_))
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(tiling.producer_registers, action="decrease")
+
+      @pl.loop(0, blocks[3] - blocks[0])
+      def _(step):
+        slot = lax.rem(step, jnp.int32(stages))
+        k0 = visit_block(blocks, step, order) * bkv
+
+        @pl.when(step >= stages)
+        def _():
+          plgpu.barrier_wait(free.at[slot])
+
+        bar = in_bar.at[slot]
+        plgpu.copy_gmem_to_smem(
+            tile_rows(k_ref, layout, batch, kv_head, k0, bkv),
+            k_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(
+            tile_rows(v_ref, layout, batch, kv_head, k0, bkv),
+            v_smem.at[slot], bar)
+
+  def entry(*refs):
+    smem = (
+        wgmma_smem((2, 2, ROWS, half), dtype),  # Q, dO rows: column halves
+        plgpu.SMEM((2, 2, ROWS), jnp.float32),  # lse₂ | δ, dLSE
+        plgpu.SMEM((2, half), jnp.float32),  # k̄ halves
+        wgmma_smem((stages, bkv, h), dtype),
+        wgmma_smem((stages, bkv, h), dtype),
+        wgmma_smem((2, ROWS, bkv), dtype),  # P of two steps
+        wgmma_smem((2, ROWS, bkv), dtype),  # dS of two steps
+    )
+    one = lambda: plgpu.Barrier(num_arrivals=1, num_barriers=2)
+    barriers = (plgpu.Barrier(num_arrivals=5, num_barriers=2),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                one(), one(), one(), one())
+    pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers,
+                  collective_axes="wg")
+
+  return plgpu.kernel(
+      entry, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(n, num_q_tiles, b), grid_names=("heads", "q_tiles", "batch"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True))(
+          q, k, v, d_out, lse2, delta, d_lse, k_mean.astype(jnp.float32),
+          q_lengths, kv_lengths)
+
+
 def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
         *, spec: MaskSpec, c: float, sm_scale: float, layout: str,
         tiling: MosaicBackwardTiling, dims, stats_only: bool = False):
@@ -741,14 +951,8 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
     (q_smem, do_smem, lse_smem, dl_smem, dlse_smem, km_smem, k_smem,
      v_smem) = scratch[0]
     q_bar, in_bar, free = scratch[1]
-    head = lax.axis_index("heads")
-    qt = lax.axis_index("q_tiles")
-    if spec.is_causal:  # the tiles with the most keys first
-      qt = num_q_tiles - 1 - qt
-    batch = lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    kv_head = lax.div(head, jnp.int32(g))
-    q_len, kv_len = ql_ref[batch], kl_ref[batch]
+    head, qt, batch, wg, kv_head, q_len, kv_len = _query_cta(
+        ql_ref, kl_ref, causal=spec.is_causal, num_q_tiles=num_q_tiles, g=g)
     cta_first = qt * (2 * ROWS)
     blocks = key_blocks(spec, cta_first, 2 * ROWS, q_len, kv_len, bkv,
                         num_kv_blocks, False)
