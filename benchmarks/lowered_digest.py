@@ -5,7 +5,7 @@
     python benchmarks/lowered_digest.py | diff before.txt -
 
 Lowers the forward (sage2-8b and sage1, causal and not; H=256 in column
-parts), the backward (dQ fused and in its own kernel; H=256's column-split
+parts), the backward (dQ fused and in its own kernel; H=256's wide
 kernels), the serving decode (8-bit and bf16 pages) and extend (8-bit
 pages) for CUDA
 (``.lower(lowering_platforms=("cuda",))``, no GPU needed) with source

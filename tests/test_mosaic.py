@@ -930,7 +930,7 @@ def test_backward_unmasked_first_lowers_for_cuda(h, layout, turns):
     ("BTNH", 256, dict()),
 ])
 def test_backward_above_head_dim_128_lowers_for_cuda(layout, h, masks):
-  """Above H=128 the backward's column-split kernels (dQ, then dK/dV) lower
+  """Above H=128 the backward's wide kernels (dQ, then dK/dV) lower
   for CUDA on the CPU, after the forward whose output gives δ; GQA, key
   lengths, head dims padded to 256."""
   q, k, v = _data(2, 256, 320, 4, 2, h, layout=layout)
@@ -950,7 +950,7 @@ def test_backward_above_head_dim_128_lowers_for_cuda(layout, h, masks):
 
 
 def test_backward_above_head_dim_128_needs_saved_statistics():
-  """The column-split kernels take δ from the saved output: recomputing
+  """The wide kernels take δ from the saved output: recomputing
   the statistics above H=128 is the "pallas" backward's, and the kernels
   say what to pass when called without δ or with tiles they cannot run."""
   from sagejax.kernels import mosaic_backward as mb
@@ -978,7 +978,7 @@ def test_backward_above_head_dim_128_needs_saved_statistics():
 @needs_hopper
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_wide_kernels_match_exact(causal):
-  """The column-split kernels (NOTES B29-B30) alone: dQ, dK and dV at
+  """The wide kernels (NOTES B29-B31) alone: dQ, dK and dV at
   H=256 given exact statistics (lse₂ of K smoothed by its mean, δ =
   rowsum(dO ∘ O)), against exact FP32 gradients, GQA, channel-bias data;
   outputs poisoned."""
@@ -1026,7 +1026,7 @@ def test_default_backward_tiling_by_head_dim():
   assert h128.unmasked_first
   unfused = mosaic.default_backward_tiling(64, fused_dq=False)
   assert not unfused.dq_turns and not unfused.static_consumers
-  # Above H=128: the column-split kernels, unmasked blocks first (B29).
+  # Above H=128: the wide kernels, unmasked blocks first (B29).
   wide = mosaic.default_backward_tiling(256, fused_dq=True)
   assert not wide.fused_dq and wide.unmasked_first
 
@@ -1191,7 +1191,7 @@ H256_GRAD_CASES = [
 @pytest.mark.parametrize("stats", ["auto", "recompute"])
 def test_gpu_mosaic_backward_above_head_dim_128(shape, kwargs, kind, stats):
   """Above H=128 jax.grad runs the Mosaic forward (16-bit P·V, 128-column
-  parts), then from its saved output and LSE ("auto") the column-split
+  parts), then from its saved output and LSE ("auto") the wide
   Mosaic backward, or recomputing the statistics the "pallas" one:
   gradients (with the LSE's cotangent) against the exact FP32 ones, cos >
   0.999; outputs poisoned."""

@@ -20,10 +20,11 @@ takes δ from the forward's saved output (``backward_stats="saved"``, and
 dQ in the dK/dV kernel by TMA reduce-add; or computes the exact softmax
 statistics in its dQ kernel from the saved LSE as an estimate
 (``"recompute"``; the forward is run for it when no LSE is given). Head
-dims above 128 (up to 256) run column-split kernels with saved statistics
-only. Calls it does not serve (``backward_unsupported``: FP32 inputs, the
-8-bit backward, head dims above 128 recomputing the statistics) take the
-``"pallas"`` backward kernels.
+dims above 128 (up to 256) run kernels whose consumers split the work by
+product, with saved statistics only. Calls it does not serve
+(``backward_unsupported``: FP32 inputs, the 8-bit backward, head dims
+above 128 recomputing the statistics) take the ``"pallas"`` backward
+kernels.
 """
 
 from __future__ import annotations

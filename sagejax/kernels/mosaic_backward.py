@@ -27,11 +27,11 @@ run BF16/FP16 ``wgmma`` with FP32 accumulators:
   given only an estimate of lse₂ it also returns the exact lse₂ and δ
   (no separate statistics pass).
 * Above H=128 (δ given) a consumer's 64 rows of two H-wide f32
-  accumulators do not fit its registers; both kernels split the columns
-  instead: a CTA owns 64 keys (dK/dV) or 64 query rows (dQ), one consumer
-  makes the probabilities and the other dP and dS, handing them to each
-  other through shared memory, and each adds into its half of the
-  accumulators' columns.
+  accumulators do not fit its registers; both kernels split the work by
+  product instead: a CTA owns 64 keys (dK/dV) or 64 query rows (dQ),
+  consumer 0 makes the probabilities and leaves them in shared memory,
+  consumer 1 makes dP and dS from them; for dK/dV each adds into one
+  accumulator (dV, dK), for dQ consumer 1 holds dQ.
 * Or, with ``MosaicBackwardTiling.fused_dq``, dQ in the dK/dV kernel: the
   consumers put their dSᵀ rows in shared memory and each adds one 64 × 64
   half of the step's dS·K into an FP32 dQ by TMA reduce-add (given only an
@@ -63,7 +63,7 @@ from sagejax.kernels.mosaic_attention import (check_registers, load_all,
 from sagejax.masks import MaskSpec
 
 ROWS = 64  # rows per consumer warpgroup (the wgmma M tile); a CTA owns 2x
-# Above this head dim the kernels split dK/dV and dQ by columns over the two
+# Above this head dim the kernels split dK/dV and dQ by product over the two
 # consumers (_dkdv_wide, _dq_wide): a consumer's 64 rows of two H-wide f32
 # accumulators no longer fit its registers.
 WIDE_ABOVE_HEAD_DIM = 128
@@ -133,7 +133,7 @@ class MosaicBackwardTiling:
 
 
 def _check_wide(tiling: MosaicBackwardTiling, delta) -> None:
-  """The column-split kernels' limits (their shared memory: 225 KB)."""
+  """The wide kernels' limits (their shared memory: 209 KB each)."""
   if delta is None:
     raise ValueError(
         f"above H={WIDE_ABOVE_HEAD_DIM} the Mosaic backward takes δ from the "
@@ -148,9 +148,9 @@ def _check_wide(tiling: MosaicBackwardTiling, delta) -> None:
 
 
 def _hand_over(tile, smem, free_bar, ready_bar, *, n_step, buf) -> None:
-  """A column-split kernel's consumer leaves ``tile`` in buffer ``buf`` (of
-  two) of ``smem`` for the other consumer, once that one has freed it (the
-  tile of two steps ago), and arrives on ``ready_bar``."""
+  """A wide kernel's consumer leaves ``tile`` in buffer ``buf`` (of two) of
+  ``smem`` for the other consumer, once that one has freed it (the tile of
+  two steps ago), and arrives on ``ready_bar``."""
   @pl.when(n_step >= 2)
   def _():
     plgpu.barrier_wait(free_bar.at[buf])
@@ -593,25 +593,24 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
 def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
                spec: MaskSpec, c: float, sm_scale: float, layout: str,
                tiling: MosaicBackwardTiling, dims):
-  """dK, dV for head dims above 128, δ given: a CTA owns
-  64 keys; consumer 0 makes Sᵀ = K·Qᵀ and Pᵀ, consumer 1 dPᵀ = V·dOᵀ and
-  dSᵀ from the Pᵀ consumer 0 leaves in shared memory; each then adds into
-  its own half of the columns of dV (Pᵀ·dO) and dK (dSᵀ·Q), 2 × 64 × H/2
-  f32 registers (benchmarks/NOTES.md B29)."""
+  """dK, dV for head dims above 128, δ given, split by product: a CTA owns
+  64 keys; consumer 0 makes Sᵀ = K·Qᵀ and Pᵀ, leaves Pᵀ in shared memory
+  and adds Pᵀ·dO into dV; consumer 1 makes dPᵀ = V·dOᵀ and, with that Pᵀ,
+  dSᵀ, and adds dSᵀ·Q into dK. One 64 × H f32 accumulator a consumer, one
+  hand-off a step, one way: consumer 0 may run a step ahead
+  (benchmarks/NOTES.md B29-B31)."""
   b, n, t_pad, h, kh, s_pad = dims
   g = n // kh
   bq, stages = tiling.block_q, tiling.num_stages
   num_q_blocks = t_pad // bq
   dtype = q.dtype
   col_layout = plgpu.Layout.WGMMA.reduce(0)
-  half = h // 2
   order = tiling.unmasked_first
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, ql_ref, kl_ref,
              dk_ref, dv_ref, scratch):
-    (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, pt_smem,
-     ds_smem) = scratch[0]
-    (kv_bar, in_bar, free, pt_ready, pt_free, ds_ready, ds_free) = scratch[1]
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, pt_smem) = scratch[0]
+    (kv_bar, in_bar, free, pt_ready, pt_free) = scratch[1]
     kv_head = lax.axis_index("kv_heads")
     kt = lax.axis_index("kv_tiles")
     batch = lax.axis_index("batch")
@@ -620,41 +619,26 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
     k0 = kt * ROWS
     blocks = query_blocks(spec, k0, ROWS, q_len, kv_len, bq, num_q_blocks,
                           False)
-    lo, hi = blocks[0], blocks[3]
-    per_head = hi - lo
-
-    def cols(c_):
-      return pl.ds(c_ * half, half)
+    per_head = blocks[3] - blocks[0]
 
     def consumer(c_: int):
       plgpu.set_max_registers(tiling.consumer_registers, action="increase")
-      # K and V rows as two column halves each (a half is what each
-      # consumer stores its dK and dV through: TMA needs contiguous tiles).
-      for ref, smem in ((k_ref, k_smem), (v_ref, v_smem)):
-        plgpu.copy_gmem_to_smem(
-            tile_rows(ref, layout, batch, kv_head, k0, ROWS).at[:, cols(c_)],
-            smem.at[c_], kv_bar)
-      plgpu.barrier_wait(kv_bar)
-      mine = cols(c_)
+      own_ref, own_smem = ((k_ref, k_smem), (v_ref, v_smem))[c_]
+      plgpu.copy_gmem_to_smem(
+          tile_rows(own_ref, layout, batch, kv_head, k0, ROWS), own_smem,
+          kv_bar.at[c_])
+      plgpu.barrier_wait(kv_bar.at[c_])
 
-      def whole_h(ref, smem, other):  # ref += smem (64 x H) · other (H x N)
-        for part in range(2):
-          plgpu.wgmma(ref, smem.at[part],
-                      other.at[:, cols(part)].transpose((1, 0)))
-
-      def step(i, carry, masked: bool, gi):
-        dk, dv = carry
+      def step(i, acc, masked: bool, gi):
         n_step = gi * per_head + visit_position(blocks, i, order)
         slot = lax.rem(n_step, jnp.int32(stages))
         buf = lax.rem(n_step, jnp.int32(2))
         plgpu.barrier_wait(in_bar.at[slot])
         zeros = _zeros(ROWS, bq)
-        hand_over = functools.partial(_hand_over, n_step=n_step, buf=buf)
-
-        if c_ == 0:  # Sᵀ = K·Qᵀ, Pᵀ
-          def scores(ref):
-            whole_h(ref, k_smem, q_smem.at[slot])
-          s_t = pl.run_state(scores)(plgpu.ACC.init(zeros))
+        if c_ == 0:  # Sᵀ = K·Qᵀ, Pᵀ; dV += Pᵀ·dO
+          s_t = pl.run_state(lambda ref: plgpu.wgmma(
+              ref, k_smem, q_smem.at[slot].transpose((1, 0))))(
+                  plgpu.ACC.init(zeros))
           lse = lax.broadcast_in_dim(load_all(lse_smem.at[slot], col_layout),
                                      (ROWS, bq), [1])
           p_t = jnp.exp2(s_t * c - lse)
@@ -662,55 +646,34 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
             p_t = jnp.where(_visible(spec, i * bq, k0, (ROWS, bq), q_len,
                                      kv_len, keys_on_rows=True), p_t, 0.0)
           p16 = p_t.astype(dtype)
-          hand_over(p16, pt_smem, pt_free, pt_ready)
-
-          def grads(refs):  # dV[:, mine] += Pᵀ·dO, dK[:, mine] += dSᵀ·Q
-            plgpu.wgmma(refs[0], p16, do_smem.at[slot, :, mine])
-            plgpu.barrier_wait(ds_ready.at[buf])
-            plgpu.wgmma(refs[1], ds_smem.at[buf], q_smem.at[slot, :, mine])
-
-          dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv),
-                                        plgpu.ACC.init(dk)))
-          plgpu.barrier_arrive(ds_free.at[buf])
-        else:  # dPᵀ = V·dOᵀ, dSᵀ
-          def dprobs(ref):
-            whole_h(ref, v_smem, do_smem.at[slot])
-          dp_t = pl.run_state(dprobs)(plgpu.ACC.init(zeros))
+          _hand_over(p16, pt_smem, pt_free, pt_ready, n_step=n_step, buf=buf)
+          acc = pl.run_state(lambda ref: plgpu.wgmma(
+              ref, p16, do_smem.at[slot]))(plgpu.ACC.init(acc))
+        else:  # dPᵀ = V·dOᵀ, dSᵀ; dK += dSᵀ·Q
+          dp_t = pl.run_state(lambda ref: plgpu.wgmma(
+              ref, v_smem, do_smem.at[slot].transpose((1, 0))))(
+                  plgpu.ACC.init(zeros))
           dl = lax.broadcast_in_dim(load_all(dl_smem.at[slot], col_layout),
                                     (ROWS, bq), [1])
           plgpu.barrier_wait(pt_ready.at[buf])
-          p_t = load_all(pt_smem.at[buf], plgpu.Layout.WGMMA).astype(
-              jnp.float32)
-          ds16 = (p_t * (dp_t - dl)).astype(dtype)
-          hand_over(ds16, ds_smem, ds_free, ds_ready)
-
-          def grads(refs):
-            plgpu.wgmma(refs[1], ds16, q_smem.at[slot, :, mine])
-            plgpu.wgmma(refs[0], pt_smem.at[buf], do_smem.at[slot, :, mine])
-
-          dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv),
-                                        plgpu.ACC.init(dk)))
+          p16 = load_all(pt_smem.at[buf], plgpu.Layout.WGMMA)
           plgpu.barrier_arrive(pt_free.at[buf])
+          ds16 = (p16.astype(jnp.float32) * (dp_t - dl)).astype(dtype)
+          acc = pl.run_state(lambda ref: plgpu.wgmma(
+              ref, ds16, q_smem.at[slot]))(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(free.at[slot])
-        return dk, dv
+        return acc
 
-      def head(gi, carry):
-        return visit_blocks(blocks, functools.partial(step, gi=gi), carry,
+      def head(gi, acc):
+        return visit_blocks(blocks, functools.partial(step, gi=gi), acc,
                             unmasked_first=order)
 
-      dk, dv = lax.fori_loop(0, g, head, (_zeros(ROWS, half),
-                                          _zeros(ROWS, half)))
-      # Consumer 0 read K (Sᵀ) and consumer 1 V (dPᵀ) last, each before the
-      # other's last step ended: each may now overwrite its own half.
-      k_smem.at[c_][...] = (dk * sm_scale).astype(dk_ref.dtype)
-      v_smem.at[c_][...] = dv.astype(dv_ref.dtype)
+      acc = lax.fori_loop(0, g, head, _zeros(ROWS, h))
+      # Each consumer alone read its own K or V rows: store through them.
+      own_smem[...] = (acc * (1.0 if c_ == 0 else sm_scale)).astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          k_smem.at[c_],
-          tile_rows(dk_ref, layout, batch, kv_head, k0, ROWS).at[:, mine])
-      plgpu.copy_smem_to_gmem(
-          v_smem.at[c_],
-          tile_rows(dv_ref, layout, batch, kv_head, k0, ROWS).at[:, mine])
+      plgpu.copy_smem_to_gmem(own_smem, tile_rows(
+          (dv_ref, dk_ref)[c_], layout, batch, kv_head, k0, ROWS))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     for c_ in range(2):
@@ -728,20 +691,19 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
 
   def entry(*refs):
     smem = (
-        wgmma_smem((2, ROWS, half), dtype),  # K rows in column halves
-        wgmma_smem((2, ROWS, half), dtype),  # V rows
-        wgmma_smem((stages, bq, h), dtype),
+        wgmma_smem((ROWS, h), dtype),  # K rows, then dV
+        wgmma_smem((ROWS, h), dtype),  # V rows, then dK
+        wgmma_smem((stages, bq, h), dtype),  # the ring: Q, dO, lse₂, δ
         wgmma_smem((stages, bq, h), dtype),
         plgpu.SMEM((stages, bq), jnp.float32),
         plgpu.SMEM((stages, bq), jnp.float32),
         wgmma_smem((2, ROWS, bq), dtype),  # Pᵀ of two steps
-        wgmma_smem((2, ROWS, bq), dtype),  # dSᵀ of two steps
     )
     one = lambda: plgpu.Barrier(num_arrivals=1, num_barriers=2)
-    barriers = (plgpu.Barrier(num_arrivals=4),  # K and V halves
+    barriers = (one(),  # K | V rows
                 plgpu.Barrier(num_arrivals=4, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                one(), one(), one(), one())
+                one(), one())
     pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers,
                   collective_axes="wg")
 
@@ -758,12 +720,12 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
 def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
              kv_lengths, *, spec: MaskSpec, c: float, sm_scale: float,
              layout: str, tiling: MosaicBackwardTiling, dims):
-  """dQ for head dims above 128, δ given: :func:`_dkdv_wide`'s arrangement
-  turned around. A CTA owns 64 query rows of one head and the producer
-  streams the 64-key K and V tiles they see; consumer 0 makes S = Q·Kᵀ and
-  P, consumer 1 dP = dO·Vᵀ and, with the P consumer 0 leaves in shared
-  memory, dS, which it leaves for consumer 0; each adds dS·K into its own
-  half of dQ's columns (64 × H/2 f32 registers; benchmarks/NOTES.md B30)."""
+  """dQ for head dims above 128, δ given, split by product: a CTA owns 64
+  query rows of one head and the producer streams the 64-key K and V tiles
+  they see; consumer 0 makes S = Q·Kᵀ and P and leaves P in shared memory;
+  consumer 1 makes dP = dO·Vᵀ, dS and adds dS·K into dQ (64 × H f32). The
+  consumers' products are unequal (1 : 2) but the tensor cores are shared,
+  and the hand-off goes one way (benchmarks/NOTES.md B31)."""
   b, n, t_pad, h, kh, s_pad = dims
   g = n // kh
   bkv, stages = tiling.block_kv, tiling.num_stages
@@ -772,14 +734,12 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
   dtype = q.dtype
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
-  half = h // 2
   order = tiling.unmasked_first
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dlse_ref, km_ref,
              ql_ref, kl_ref, dq_ref, scratch):
-    (rows_smem, vec_smem, km_smem, k_smem, v_smem, p_smem,
-     ds_smem) = scratch[0]
-    (row_bar, in_bar, free, p_ready, p_free, ds_ready, ds_free) = scratch[1]
+    (rows_smem, vec_smem, km_smem, k_smem, v_smem, p_smem) = scratch[0]
+    (row_bar0, row_bar1, in_bar, free, p_ready, p_free) = scratch[1]
     head, qt, batch, wg, kv_head, q_len, kv_len = _query_cta(
         ql_ref, kl_ref, causal=spec.is_causal, num_q_tiles=num_q_tiles, g=g)
     row0 = qt * ROWS
@@ -787,34 +747,21 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
     blocks = key_blocks(spec, row0, ROWS, q_len, kv_len, bkv, num_kv_blocks,
                         False)
 
-    def cols(c_):
-      return pl.ds(c_ * half, half)
-
     def consumer(c_: int):
       plgpu.set_max_registers(tiling.consumer_registers, action="increase")
-      # Consumer 0 reads Q, its rows' lse₂; consumer 1 dO and δ. Rows in
-      # column halves: each stores its dQ half through one (TMA stores
-      # contiguous tiles).
-      bar = row_bar.at[c_]
-      for part in range(2):
-        plgpu.copy_gmem_to_smem(
-            tile_rows((q_ref, do_ref)[c_], layout, batch, head, row0,
-                      ROWS).at[:, cols(part)], rows_smem.at[c_, part], bar)
+      bar = (row_bar0, row_bar1)[c_]
+      plgpu.copy_gmem_to_smem(
+          tile_rows((q_ref, do_ref)[c_], layout, batch, head, row0, ROWS),
+          rows_smem.at[c_], bar)
       plgpu.copy_gmem_to_smem((lse_ref, dl_ref)[c_].at[batch, head, rows_at],
                               vec_smem.at[c_, 0], bar)
-      plgpu.copy_gmem_to_smem(dlse_ref.at[batch, head, rows_at],
-                              vec_smem.at[c_, 1], bar)
-      plgpu.copy_gmem_to_smem(km_ref.at[batch, kv_head, cols(c_)],
-                              km_smem.at[c_], bar)
+      if c_ == 1:
+        plgpu.copy_gmem_to_smem(dlse_ref.at[batch, head, rows_at],
+                                vec_smem.at[c_, 1], bar)
+        plgpu.copy_gmem_to_smem(km_ref.at[batch, kv_head], km_smem, bar)
       plgpu.barrier_wait(bar)
-      mine = cols(c_)
       row_vec = lax.broadcast_in_dim(
           load_all(vec_smem.at[c_, 0], row_layout), (ROWS, bkv), [0])
-
-      def whole_h(ref, other):  # ref += rows (64 x H) · other (keys x H)ᵀ
-        for part in range(2):
-          plgpu.wgmma(ref, rows_smem.at[c_, part],
-                      other.at[:, cols(part)].transpose((1, 0)))
 
       def step(j, dq, masked: bool):
         n_step = visit_position(blocks, j, order)
@@ -822,49 +769,42 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
         buf = lax.rem(n_step, jnp.int32(2))
         plgpu.barrier_wait(in_bar.at[slot])
         zeros = _zeros(ROWS, bkv)
-        hand_over = functools.partial(_hand_over, n_step=n_step, buf=buf)
-
         if c_ == 0:  # S = Q·Kᵀ, P
-          s = pl.run_state(lambda ref: whole_h(ref, k_smem.at[slot]))(
-              plgpu.ACC.init(zeros))
+          s = pl.run_state(lambda ref: plgpu.wgmma(
+              ref, rows_smem.at[0], k_smem.at[slot].transpose((1, 0))))(
+                  plgpu.ACC.init(zeros))
           p = jnp.exp2(s * c - row_vec)
           if masked:
             p = jnp.where(_visible(spec, row0, j * bkv, (ROWS, bkv), q_len,
                                    kv_len, keys_on_rows=False), p, 0.0)
-          hand_over(p.astype(dtype), p_smem, p_free, p_ready)
-          plgpu.barrier_wait(ds_ready.at[buf])
-          ds = ds_smem.at[buf]
-        else:  # dP = dO·Vᵀ, dS
-          dp = pl.run_state(lambda ref: whole_h(ref, v_smem.at[slot]))(
-              plgpu.ACC.init(zeros))
+          _hand_over(p.astype(dtype), p_smem, p_free, p_ready,
+                     n_step=n_step, buf=buf)
+        else:  # dP = dO·Vᵀ, dS, dQ += dS·K
+          dp = pl.run_state(lambda ref: plgpu.wgmma(
+              ref, rows_smem.at[1], v_smem.at[slot].transpose((1, 0))))(
+                  plgpu.ACC.init(zeros))
           plgpu.barrier_wait(p_ready.at[buf])
-          p = load_all(p_smem.at[buf], plgpu.Layout.WGMMA).astype(
-              jnp.float32)
+          p = load_all(p_smem.at[buf], plgpu.Layout.WGMMA)
           plgpu.barrier_arrive(p_free.at[buf])
-          ds = (p * (dp - row_vec)).astype(dtype)
-          hand_over(ds, ds_smem, ds_free, ds_ready)
-
-        def grad(acc_ref):  # dQ[:, mine] += dS·K[:, mine]
-          plgpu.wgmma(acc_ref, ds, k_smem.at[slot, :, mine])
-
-        dq = pl.run_state(grad)(plgpu.ACC.init(dq))
-        if c_ == 0:
-          plgpu.barrier_arrive(ds_free.at[buf])
+          ds = (p.astype(jnp.float32) * (dp - row_vec)).astype(dtype)
+          dq = pl.run_state(lambda ref: plgpu.wgmma(
+              ref, ds, k_smem.at[slot]))(plgpu.ACC.init(dq))
         plgpu.barrier_arrive(free.at[slot])
         return dq
 
-      dq = visit_blocks(blocks, step, _zeros(ROWS, half),
-                        unmasked_first=order)
-      # Σ_j dS_ij = dLSE_i: the K mean's share of dQ.
-      dq = dq + (lax.broadcast_in_dim(load_all(vec_smem.at[c_, 1],
-                                               row_layout), (ROWS, half), [0])
-                 * lax.broadcast_in_dim(load_all(km_smem.at[c_], col_layout),
-                                        (ROWS, half), [1]))
-      out = rows_smem.at[c_, c_]  # this consumer alone read it, and is done
+      if c_ == 0:
+        visit_blocks(blocks, step, (), unmasked_first=order)
+        return
+      dq = visit_blocks(blocks, step, _zeros(ROWS, h), unmasked_first=order)
+      dq = dq + (lax.broadcast_in_dim(load_all(vec_smem.at[1, 1], row_layout),
+                                      (ROWS, h), [0])
+                 * lax.broadcast_in_dim(load_all(km_smem, col_layout),
+                                        (ROWS, h), [1]))
+      out = rows_smem.at[1]  # dO: this consumer alone read it
       out[...] = (dq * sm_scale).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(
-          out, tile_rows(dq_ref, layout, batch, head, row0, ROWS).at[:, mine])
+          out, tile_rows(dq_ref, layout, batch, head, row0, ROWS))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     for c_ in range(2):
@@ -893,19 +833,19 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
 
   def entry(*refs):
     smem = (
-        wgmma_smem((2, 2, ROWS, half), dtype),  # Q, dO rows: column halves
+        wgmma_smem((2, ROWS, h), dtype),  # Q rows; dO rows, then dQ
         plgpu.SMEM((2, 2, ROWS), jnp.float32),  # lse₂ | δ, dLSE
-        plgpu.SMEM((2, half), jnp.float32),  # k̄ halves
-        wgmma_smem((stages, bkv, h), dtype),
+        plgpu.SMEM((h,), jnp.float32),  # k̄
+        wgmma_smem((stages, bkv, h), dtype),  # the ring: K, V
         wgmma_smem((stages, bkv, h), dtype),
         wgmma_smem((2, ROWS, bkv), dtype),  # P of two steps
-        wgmma_smem((2, ROWS, bkv), dtype),  # dS of two steps
     )
     one = lambda: plgpu.Barrier(num_arrivals=1, num_barriers=2)
-    barriers = (plgpu.Barrier(num_arrivals=5, num_barriers=2),
+    barriers = (plgpu.Barrier(num_arrivals=2),  # Q, lse₂
+                plgpu.Barrier(num_arrivals=4),  # dO, δ, dLSE, k̄
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                one(), one(), one(), one())
+                one(), one())
     pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers,
                   collective_axes="wg")
 
