@@ -160,6 +160,16 @@ def _hand_over(tile, smem, free_bar, ready_bar, *, n_step, buf) -> None:
   plgpu.barrier_arrive(ready_bar.at[buf])
 
 
+def _take_over(smem, ready_bar, free_bar, *, buf) -> jax.Array:
+  """The tile the other consumer left in buffer ``buf`` of ``smem``
+  (:func:`_hand_over`), loaded into registers once it is ready; the buffer
+  is then freed at once."""
+  plgpu.barrier_wait(ready_bar.at[buf])
+  tile = load_all(smem.at[buf], plgpu.Layout.WGMMA)
+  plgpu.barrier_arrive(free_bar.at[buf])
+  return tile
+
+
 def _query_cta(ql_ref, kl_ref, *, causal: bool, num_q_tiles: int, g: int):
   """A dQ kernel CTA's (head, query tile, batch, warpgroup, KV head, query
   length, key length); causal: the tiles with the most keys first."""
@@ -190,6 +200,11 @@ def _fence_async_shared() -> None:
                     has_side_effects=True)
 
   fence()
+
+
+def _product(acc: jax.Array, a, b) -> jax.Array:
+  """``acc + a·b``: one ``wgmma`` into ``acc``, waited on."""
+  return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(acc))
 
 
 def _two_products(first, second, cols: int):
@@ -636,9 +651,8 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
         plgpu.barrier_wait(in_bar.at[slot])
         zeros = _zeros(ROWS, bq)
         if c_ == 0:  # Sᵀ = K·Qᵀ, Pᵀ; dV += Pᵀ·dO
-          s_t = pl.run_state(lambda ref: plgpu.wgmma(
-              ref, k_smem, q_smem.at[slot].transpose((1, 0))))(
-                  plgpu.ACC.init(zeros))
+          s_t = _product(zeros, k_smem,
+                         q_smem.at[slot].transpose((1, 0)))
           lse = lax.broadcast_in_dim(load_all(lse_smem.at[slot], col_layout),
                                      (ROWS, bq), [1])
           p_t = jnp.exp2(s_t * c - lse)
@@ -647,20 +661,15 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
                                      kv_len, keys_on_rows=True), p_t, 0.0)
           p16 = p_t.astype(dtype)
           _hand_over(p16, pt_smem, pt_free, pt_ready, n_step=n_step, buf=buf)
-          acc = pl.run_state(lambda ref: plgpu.wgmma(
-              ref, p16, do_smem.at[slot]))(plgpu.ACC.init(acc))
+          acc = _product(acc, p16, do_smem.at[slot])
         else:  # dPᵀ = V·dOᵀ, dSᵀ; dK += dSᵀ·Q
-          dp_t = pl.run_state(lambda ref: plgpu.wgmma(
-              ref, v_smem, do_smem.at[slot].transpose((1, 0))))(
-                  plgpu.ACC.init(zeros))
+          dp_t = _product(zeros, v_smem,
+                          do_smem.at[slot].transpose((1, 0)))
           dl = lax.broadcast_in_dim(load_all(dl_smem.at[slot], col_layout),
                                     (ROWS, bq), [1])
-          plgpu.barrier_wait(pt_ready.at[buf])
-          p16 = load_all(pt_smem.at[buf], plgpu.Layout.WGMMA)
-          plgpu.barrier_arrive(pt_free.at[buf])
+          p16 = _take_over(pt_smem, pt_ready, pt_free, buf=buf)
           ds16 = (p16.astype(jnp.float32) * (dp_t - dl)).astype(dtype)
-          acc = pl.run_state(lambda ref: plgpu.wgmma(
-              ref, ds16, q_smem.at[slot]))(plgpu.ACC.init(acc))
+          acc = _product(acc, ds16, q_smem.at[slot])
         plgpu.barrier_arrive(free.at[slot])
         return acc
 
@@ -770,9 +779,8 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
         plgpu.barrier_wait(in_bar.at[slot])
         zeros = _zeros(ROWS, bkv)
         if c_ == 0:  # S = Q·Kᵀ, P
-          s = pl.run_state(lambda ref: plgpu.wgmma(
-              ref, rows_smem.at[0], k_smem.at[slot].transpose((1, 0))))(
-                  plgpu.ACC.init(zeros))
+          s = _product(zeros, rows_smem.at[0],
+                       k_smem.at[slot].transpose((1, 0)))
           p = jnp.exp2(s * c - row_vec)
           if masked:
             p = jnp.where(_visible(spec, row0, j * bkv, (ROWS, bkv), q_len,
@@ -780,15 +788,11 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
           _hand_over(p.astype(dtype), p_smem, p_free, p_ready,
                      n_step=n_step, buf=buf)
         else:  # dP = dO·Vᵀ, dS, dQ += dS·K
-          dp = pl.run_state(lambda ref: plgpu.wgmma(
-              ref, rows_smem.at[1], v_smem.at[slot].transpose((1, 0))))(
-                  plgpu.ACC.init(zeros))
-          plgpu.barrier_wait(p_ready.at[buf])
-          p = load_all(p_smem.at[buf], plgpu.Layout.WGMMA)
-          plgpu.barrier_arrive(p_free.at[buf])
+          dp = _product(zeros, rows_smem.at[1],
+                        v_smem.at[slot].transpose((1, 0)))
+          p = _take_over(p_smem, p_ready, p_free, buf=buf)
           ds = (p.astype(jnp.float32) * (dp - row_vec)).astype(dtype)
-          dq = pl.run_state(lambda ref: plgpu.wgmma(
-              ref, ds, k_smem.at[slot]))(plgpu.ACC.init(dq))
+          dq = _product(dq, ds, k_smem.at[slot])
         plgpu.barrier_arrive(free.at[slot])
         return dq
 
