@@ -7,9 +7,10 @@ Each variant replaces fields of the default fused backward tiling
 (``mosaic.default_backward_tiling(h, fused_dq=True)``; "base" is the
 default itself); with ``--triton``, of the Triton backward's
 (``pallas_triton.default_backward_tiling(h)``, e.g. ``--triton --shapes
-"256,4096,1,32" --variants "uf:unmasked_first=1"``; above H=128 a
-training step runs that backward after the Mosaic forward). First the gradients of ``sagejax.attention`` under each
-variant against exact FP32 attention (cosine of dQ, dK, dV; fresh data),
+"256,4096,1,32" --variants "uf:unmasked_first=1"``), the step then run
+with ``implementation="pallas"``. First the gradients of
+``sagejax.attention`` under each variant against exact FP32 attention
+(cosine of dQ, dK, dV; fresh data),
 then training steps (``value_and_grad`` of sum(out·dO), B=2, N=32, bf16)
 beside cuDNN's, in short blocks of calls, the variants in turn, each round
 starting at another one (median ms per call over the blocks).
@@ -40,7 +41,8 @@ def tiling_for(h, name):
 
 def make_step(h, name, causal):
   def loss(q, k, v, do):
-    o = sagejax.attention(q, k, v, is_causal=causal)
+    impl = "pallas" if BACKEND is pallas_triton.BACKEND else None
+    o = sagejax.attention(q, k, v, is_causal=causal, implementation=impl)
     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
   return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
 
@@ -77,7 +79,7 @@ def main():
   cases = ([("normal", True, (1, 2048, 8, 2, 256)),
             ("qkv_channel_bias", True, (1, 1000, 8, 8, 256)),
             ("channel_bias", False, (2, 1000, 8, 2, 256))]
-           if BACKEND is pallas_triton.BACKEND else  # it serves H > 128
+           if BACKEND is pallas_triton.BACKEND else
            [("normal", False, (1, 2048, 8, 8, 128)), ("qkv_channel_bias", False, (1, 2048, 8, 8, 128)),
             ("channel_bias", False, (2, 1000, 8, 2, 128)), ("normal", False, (1, 1000, 4, 4, 64)),
             ("qkv_channel_bias", True, (1, 2048, 8, 8, 128))])
