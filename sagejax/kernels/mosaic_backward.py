@@ -202,9 +202,14 @@ def _fence_async_shared() -> None:
   fence()
 
 
-def _product(acc: jax.Array, a, b) -> jax.Array:
-  """``acc + a·b``: one ``wgmma`` into ``acc``, waited on."""
-  return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(acc))
+def _product(acc: jax.Array, operands) -> jax.Array:
+  """``acc + a·b``: one ``wgmma`` into ``acc``, waited on; ``operands()``
+  returns ``(a, b)``, called inside the ``wgmma``'s own state scope: these
+  kernels' shared-memory views (``ref.at[slot]``, a traced slot) made
+  outside it failed to lower under JAX 0.11 ("Shaped arrays must be
+  represented by ir.Values"), though 0.10 lowers them (NOTES B34)."""
+  return pl.run_state(lambda ref: plgpu.wgmma(ref, *operands()))(
+      plgpu.ACC.init(acc))
 
 
 def _two_products(first, second, cols: int):
@@ -651,8 +656,8 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
         plgpu.barrier_wait(in_bar.at[slot])
         zeros = _zeros(ROWS, bq)
         if c_ == 0:  # Sᵀ = K·Qᵀ, Pᵀ; dV += Pᵀ·dO
-          s_t = _product(zeros, k_smem,
-                         q_smem.at[slot].transpose((1, 0)))
+          s_t = _product(zeros, lambda: (
+              k_smem, q_smem.at[slot].transpose((1, 0))))
           lse = lax.broadcast_in_dim(load_all(lse_smem.at[slot], col_layout),
                                      (ROWS, bq), [1])
           p_t = jnp.exp2(s_t * c - lse)
@@ -661,15 +666,15 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
                                      kv_len, keys_on_rows=True), p_t, 0.0)
           p16 = p_t.astype(dtype)
           _hand_over(p16, pt_smem, pt_free, pt_ready, n_step=n_step, buf=buf)
-          acc = _product(acc, p16, do_smem.at[slot])
+          acc = _product(acc, lambda: (p16, do_smem.at[slot]))
         else:  # dPᵀ = V·dOᵀ, dSᵀ; dK += dSᵀ·Q
-          dp_t = _product(zeros, v_smem,
-                          do_smem.at[slot].transpose((1, 0)))
+          dp_t = _product(zeros, lambda: (
+              v_smem, do_smem.at[slot].transpose((1, 0))))
           dl = lax.broadcast_in_dim(load_all(dl_smem.at[slot], col_layout),
                                     (ROWS, bq), [1])
           p16 = _take_over(pt_smem, pt_ready, pt_free, buf=buf)
           ds16 = (p16.astype(jnp.float32) * (dp_t - dl)).astype(dtype)
-          acc = _product(acc, ds16, q_smem.at[slot])
+          acc = _product(acc, lambda: (ds16, q_smem.at[slot]))
         plgpu.barrier_arrive(free.at[slot])
         return acc
 
@@ -779,8 +784,8 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
         plgpu.barrier_wait(in_bar.at[slot])
         zeros = _zeros(ROWS, bkv)
         if c_ == 0:  # S = Q·Kᵀ, P
-          s = _product(zeros, rows_smem.at[0],
-                       k_smem.at[slot].transpose((1, 0)))
+          s = _product(zeros, lambda: (
+              rows_smem.at[0], k_smem.at[slot].transpose((1, 0))))
           p = jnp.exp2(s * c - row_vec)
           if masked:
             p = jnp.where(_visible(spec, row0, j * bkv, (ROWS, bkv), q_len,
@@ -788,11 +793,11 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
           _hand_over(p.astype(dtype), p_smem, p_free, p_ready,
                      n_step=n_step, buf=buf)
         else:  # dP = dO·Vᵀ, dS, dQ += dS·K
-          dp = _product(zeros, rows_smem.at[1],
-                        v_smem.at[slot].transpose((1, 0)))
+          dp = _product(zeros, lambda: (
+              rows_smem.at[1], v_smem.at[slot].transpose((1, 0))))
           p = _take_over(p_smem, p_ready, p_free, buf=buf)
           ds = (p.astype(jnp.float32) * (dp - row_vec)).astype(dtype)
-          dq = _product(dq, ds, k_smem.at[slot])
+          dq = _product(dq, lambda: (ds, k_smem.at[slot]))
         plgpu.barrier_arrive(free.at[slot])
         return dq
 
