@@ -124,6 +124,39 @@ def test_token_statistics_match_quant(layout):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("granularity,rows", [
+    ("per_thread", 32), ("per_thread", 64), ("per_warp", 32),
+    ("per_token", 32)])
+def test_q_pass_in_programs_smaller_than_a_block(granularity, rows):
+  """The Q pass in programs of fewer rows than block_q (what its groups
+  allow: triton_quantize.q_program_rows) writes the same values, scales
+  and row shifts as one program a block, NaN/Inf rows and lengths
+  included."""
+  config = SageConfig(qk_granularity=granularity, block_q=128, block_k=64)
+  q, k, _ = _data(2, 256, 64, 2, 2, 64, kind="channel_bias", layout="BNTH")
+  q = q.at[0, 1, 37, 5].set(jnp.nan).at[1, 0, 100, 3].set(-jnp.inf)
+  lengths = jnp.array([256, 150], jnp.int32)
+  k_mean = jnp.mean(k, axis=2)
+  run = lambda **kw: triton_quantize.quantize_qk(
+      q, lengths, None, role="q", config=config, layout="BNTH",
+      scale_mult=0.3, k_mean=k_mean, shift_mult=0.125, interpret=True,
+      **kw)
+  whole, split = run(), run(rows=rows, num_warps=2)
+  for name, a, b in zip(("values", "scales", "means"), whole, split):
+    assert (a is None) == (b is None), name
+    if a is not None:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
+  # q·k̄ is summed over channels in another order on a smaller tile.
+  np.testing.assert_allclose(split[3], whole[3], rtol=1e-5, atol=1e-5)
+  assert np.isnan(np.asarray(split[1])[0, 1, 37])
+  # sagejax.quant's values and scales of the rows within the lengths.
+  want = quant.quantize_groups(quant.zero_padding(q, lengths), "q", config)
+  np.testing.assert_array_equal(split[0], want[0])
+  np.testing.assert_allclose(split[1], 0.3 * want[1], rtol=1e-6)
+  with pytest.raises(ValueError, match="would split the groups"):
+    run(rows=16)
+
+
 MASKS = [
     dict(is_causal=False),
     dict(is_causal=True),

@@ -41,10 +41,48 @@ def _token_spec(layout: str, block: int, h: int, head_of=lambda n: n):
 
 def _warps(block: int, h: int) -> int:
   """Warps for a program holding a ``[block, h]`` f32 tile: 4 up to 128
-  values a thread; Q's 128 tokens at H=256 take 8 (on 4 warps, 256 values
-  a thread, the Q pass ran 4.5x its H=128 time on an H100, on 8 3.0x:
-  benchmarks/NOTES.md, Mosaic section 18)."""
+  values a thread, else 8 (a Q block of 128 tokens at H=256 on 4 warps ran
+  the Q pass at 4.5x its H=128 time on an H100, on 8 at 3.0x; in programs
+  of 64 tokens on 4, :func:`_q_rows`, near K's time: benchmarks/NOTES.md,
+  Mosaic sections 18 and 23)."""
   return 8 if block * h > 128 * 128 else 4
+
+
+def q_program_rows(config: SageConfig) -> int:
+  """The fewest Q rows a program of the Q pass may hold: its groups never
+  straddle programs. ``block_q`` for per-block groups and block means
+  (``smooth_q``); a warp's rows for per-thread and per-warp groups; 32 for
+  per-token scales."""
+  if config.smooth_q or config.qk_granularity == "per_block":
+    return config.block_q
+  if config.qk_granularity == "per_token":
+    return min(32, config.block_q)
+  return config.rows_per_warp
+
+
+def _q_rows(config: SageConfig, h: int) -> int:
+  """Rows of a Q program by default: ``block_q`` up to 128 × 128 values,
+  fewer above where the groups allow (H=256: 64 rows on 4 warps, end to
+  end −3.4% at 4k and 1k against 128 rows on 8 warps on an H100;
+  benchmarks/NOTES.md, Mosaic section 23)."""
+  rows = config.block_q
+  while rows * h > 128 * 128 and rows // 2 >= q_program_rows(config):
+    rows //= 2  # powers of two: still a multiple of q_program_rows
+  return rows
+
+
+def _group_config(config: SageConfig, role: str, rows: int) -> SageConfig:
+  """``config`` with Q blocks of ``rows`` (a multiple of
+  :func:`q_program_rows`): the same token groups on a program's rows."""
+  if role != "q" or rows == config.block_q:
+    return config
+  if rows % q_program_rows(config) or config.block_q % rows:
+    raise ValueError(
+        f"a Q program of {rows} rows would split the groups of {config}; "
+        f"pass a multiple of {q_program_rows(config)} dividing block_q.")
+  warps = max(1, rows // config.rows_per_warp)
+  return config.replace(block_q=rows, num_warps=min(warps,
+                                                    config.num_warps))
 
 
 def _block_abs_max(v: jax.Array, valid: jax.Array) -> jax.Array:
@@ -56,7 +94,8 @@ def _block_abs_max(v: jax.Array, valid: jax.Array) -> jax.Array:
 
 def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
                         scale_ref, bmean_ref, shift_ref, v_amax_ref, *,
-                        block: int, chunks: int, config: SageConfig, role: str,
+                        block: int, chunks: int, config: SageConfig,
+                        group_config: SageConfig, role: str,
                         scale_mult: float, shift_mult: float,
                         interpret: bool):
   i = pl.program_id(0)
@@ -81,7 +120,7 @@ def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
   row_amax = quant.row_amax(xs[0])  # +inf for a row holding a NaN or Inf
   for x in xs[1:]:
     row_amax = jnp.maximum(row_amax, quant.row_amax(x))
-  scale = quant.group_scales(row_amax, role, config)  # NaN for such a row
+  scale = quant.group_scales(row_amax, role, group_config)  # NaN: such a row
   finite = (row_amax < jnp.inf)[:, None]
   qmax = config.qmax
   ys = [jnp.where(finite, jnp.clip(round_half_even(x / scale[:, None],
@@ -102,6 +141,7 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                 *, role: str, config: SageConfig, layout: str,
                 scale_mult: float = 1.0, k_mean: Optional[jax.Array] = None,
                 shift_mult: float = 1.0, v: Optional[jax.Array] = None,
+                rows: Optional[int] = None, num_warps: Optional[int] = None,
                 interpret: bool = False):
   """Quantizes Q or K, one block of tokens of one head per program.
 
@@ -120,6 +160,10 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
     v: K only: V (K's shape and layout), read in the same programs for its
       max |V| per channel over the valid tokens (+inf where one is NaN or
       infinite; :func:`token_statistics`' ``v_amax`` without its launch).
+    rows: Q only: rows a program holds, a multiple of
+      :func:`q_program_rows` dividing ``block_q`` (default: ``block_q``, or
+      fewer above 128 × 128 values).
+    num_warps: warps a program runs (default by its tile's size).
 
   Returns:
     (values int8 ``[B, N, T, H]`` or INT4-packed ``[B, N, T, H/2]``, scales
@@ -131,7 +175,11 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
     b, t, n, h = x.shape
   else:
     b, n, t, h = x.shape
-  block = config.block_q if role == "q" else config.block_k
+  if rows is not None and role != "q":
+    raise ValueError("rows (a Q program's rows) is for role='q' only; K's "
+                     "groups span block_k.")
+  block = rows or (_q_rows(config, h) if role == "q" else config.block_k)
+  group_config = _group_config(config, role, block)
   nb = t // block
   chunks = 2 if config.qk_dtype == "int4" else 1
   block_means = role == "q" and config.smooth_q
@@ -142,6 +190,7 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
   g = None if k_mean is None else n // k_mean.shape[1]
   kernel = functools.partial(
       _quantize_qk_kernel, block=block, chunks=chunks, config=config,
+      group_config=group_config,
       role=role, scale_mult=float(scale_mult), shift_mult=float(shift_mult),
       interpret=interpret)
   out_shape = [jax.ShapeDtypeStruct((b, n, t, h // chunks), jnp.int8),
@@ -179,8 +228,8 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
   values, scales, means, shifts, v_amax = pl.pallas_call(
       kernel, grid=(nb, b, n), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=_warps(block, h),
-                                           num_stages=1),
+      compiler_params=plgpu.CompilerParams(
+          num_warps=num_warps or _warps(block, h), num_stages=1),
       name=f"sage_quantize_{role}",
   )(x, lengths, mean, k_mean, v)
   if v_amax is not None:
