@@ -12,9 +12,12 @@ pages) for CUDA
 locations left out of the MLIR
 (``jax_traceback_in_locations_limit=0``), and prints an MD5 per program. A
 change that only moves or renames code (a refactor, a shim for a renamed
-API) leaves every digest as it was; then the kernels the GPU ran are the
-kernels the change ships. Digests depend on the JAX version: compare runs
-of one environment.
+API) leaves every digest as it was; then, under this JAX version, the
+kernels the GPU ran are the kernels the change ships. Digests depend on
+the JAX version: compare runs of one environment, and do not read equal
+digests under 0.10 as proof that 0.11 lowers the change (a refactor that
+kept every 0.10.2 digest failed to compile under 0.11.2: NOTES B34); run
+the GPU tests of the kernels it touches.
 """
 
 from __future__ import annotations

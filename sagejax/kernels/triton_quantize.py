@@ -62,9 +62,9 @@ def q_program_rows(config: SageConfig) -> int:
 
 def _q_rows(config: SageConfig, h: int) -> int:
   """Rows of a Q program by default: ``block_q`` up to 128 × 128 values,
-  fewer above where the groups allow (H=256: 64 rows on 4 warps, end to
-  end −3.4% at 4k and 1k against 128 rows on 8 warps on an H100;
-  benchmarks/NOTES.md, Mosaic section 23)."""
+  fewer above where the groups allow (H=256: 64 rows on 4 warps, the
+  forward end to end 2-3.5% faster than with 128 rows on 8 warps on an
+  H100; benchmarks/NOTES.md, Mosaic section 23)."""
   rows = config.block_q
   while rows * h > 128 * 128 and rows // 2 >= q_program_rows(config):
     rows //= 2  # powers of two: still a multiple of q_program_rows
