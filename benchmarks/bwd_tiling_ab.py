@@ -12,7 +12,8 @@ with ``implementation="pallas"``. First the gradients of
 ``sagejax.attention`` under each variant against exact FP32 attention
 (cosine of dQ, dK, dV; fresh data),
 then training steps (``value_and_grad`` of sum(out·dO), B=2, N=32, bf16)
-beside cuDNN's, in short blocks of calls, the variants in turn, each round
+beside cuDNN's (each variant's gradients on the timed inputs first
+compared with cuDNN's), in short blocks of calls, the variants in turn, each round
 starting at another one (median ms per call over the blocks).
 """
 import argparse
@@ -59,6 +60,9 @@ def exact_grads(q, k, v, do, causal):
     return jnp.sum(o * do.astype(jnp.float32))
   return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
 
+def names_of(fns):
+  return [name for name in fns if name != "cudnn"]
+
 def cos(a, b):
   a = np.asarray(a, np.float64).ravel(); b = np.asarray(b, np.float64).ravel()
   return float(a @ b / np.sqrt((a @ a) * (b @ b)))
@@ -82,7 +86,9 @@ def main():
            if BACKEND is pallas_triton.BACKEND else
            [("normal", False, (1, 2048, 8, 8, 128)), ("qkv_channel_bias", False, (1, 2048, 8, 8, 128)),
             ("channel_bias", False, (2, 1000, 8, 2, 128)), ("normal", False, (1, 1000, 4, 4, 64)),
-            ("qkv_channel_bias", True, (1, 2048, 8, 8, 128))])
+            ("qkv_channel_bias", True, (1, 2048, 8, 8, 128)),
+            # the last round's tiles split (split_last_round, NOTES B35)
+            ("qkv_channel_bias", False, (2, 1024, 20, 10, 128))])
   for kind, causal, shape in [] if NO_ACCURACY else cases:
     b, t, n, kh, h = shape
     q, k, v = testing.make_qkv(jax.random.key(int(time.time()) % 1000), b, t, t, n, kh, h, kind, jnp.bfloat16)
@@ -120,6 +126,15 @@ def main():
         print("compile", name, type(e).__name__, str(e)[:300], flush=True)
     for f in fns.values():  # warm
       jax.block_until_ready(f(*args))
+    # Check what is timed: each variant's gradients on these inputs against
+    # cuDNN's (a kernel that skips work can be fast; NOTES B35).
+    ref = fns["cudnn"](*args)[1]
+    for name in names_of(fns):
+      cs = [cos(x, y) for x, y in zip(fns[name](*args)[1], ref)]
+      print(f"check H={h} S={s} causal={causal} {name}: cos vs cudnn "
+            f"dq/dk/dv {cs[0]:.6f} {cs[1]:.6f} {cs[2]:.6f}", flush=True)
+      rows.append(dict(what="check", h=h, s=s, causal=causal, variant=name,
+                       cos_vs_cudnn=cs))
     times = {name: [] for name in fns}
     names = list(fns)
     # Short blocks of calls, the variants in turn, each round starting at

@@ -20,7 +20,8 @@ import pytest
 import sagejax
 from sagejax import PRESETS, SageConfig, _inputs, backends, quant, testing
 from sagejax.backends import mosaic, xla
-from sagejax.kernels import mosaic_attention, triton_quantize
+from sagejax.backends._device import sm_count
+from sagejax.kernels import mosaic_attention, mosaic_backward, triton_quantize
 from sagejax.kernels.mosaic_attention import MosaicTiling
 from sagejax.masks import MaskSpec
 
@@ -1206,6 +1207,110 @@ def test_gpu_mosaic_backward_above_head_dim_128(shape, kwargs, kind, stats):
   assert backends.backward_of("mosaic", call, diff).name == want_backend
   got, want = _mosaic_grads_vs_exact(shape, kwargs, stats, kind,
                                      mosaic_backward=stats == "auto")
+  _check_grads(got, want, 0.999)
+
+
+def test_last_round_split_plans():
+  """The dK/dV grid's last round is split where the model gains (NOTES
+  Mosaic §24, B35): B=2, N=32, 4k on 132 SMs (2048 tiles, 15.5 rounds):
+  the last 2 KV heads' 64 tiles each in thirds; full rounds and tiles too
+  short are not split; a grid smaller than one round is split whole."""
+  split = mosaic_backward.last_round_split
+  assert split(32, 64, steps=64, num_sms=132) == (2, 3)
+  assert split(33, 4, steps=64, num_sms=132) is None  # 132 tiles
+  assert split(32, 64, steps=2, num_sms=132) is None
+  m, k = split(4, 2, steps=16, num_sms=132)
+  assert m == 4 and 2 <= k <= 8
+
+
+@pytest.mark.parametrize("kh,n_kt,b,split", [
+    (32, 32, 2, (2, 3)), (1, 4, 3, (1, 4)), (10, 16, 1, (2, 4)),
+    (4, 8, 2, (4, 2))])
+def test_split_grid_runs_every_tile_once(kh, n_kt, b, split):
+  """Every tile of the split dK/dV grid runs once: whole by one CTA, or
+  (the last m KV heads') in all k parts, each by one CTA."""
+  whole, num_ctas = mosaic_backward.split_grid(kh, n_kt, b, split)
+  cta = jnp.arange(num_ctas, dtype=jnp.int32)
+  heads, tiles, batches, parts = (np.asarray(x) for x in
+                                  mosaic_backward.split_cta(cta, whole,
+                                                            split[1], b,
+                                                            n_kt))
+  parts = np.where(cta >= whole, parts, -1)
+  runs = sorted(zip(heads.tolist(), tiles.tolist(), batches.tolist(),
+                    parts.tolist()))
+  m, k = split
+  want = sorted((h, t, bb, -1 if h < kh - m else p)
+                for h in range(kh) for t in range(n_kt) for bb in range(b)
+                for p in (range(k) if h >= kh - m else [-1]))
+  assert runs == want
+
+
+@pytest.mark.parametrize("layout,uniform", [
+    ("BTNH", True), ("BNTH", True), ("BTNH", False)])
+def test_backward_splits_the_last_round_only_for_equal_tiles(layout,
+                                                             uniform):
+  """Lowered for CUDA: the fused backward's split tiles (two extra
+  outputs, placed by a dynamic_update_slice) where every tile does the same
+  work; with a causal mask (unequal tiles) the grid is left as it is."""
+  b, t, n, kh = 2, 1024, 4, 2
+  shape = (b, t, n, 128) if layout == "BTNH" else (b, n, t, 128)
+  q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  kshape = list(shape)
+  kshape[2 if layout == "BTNH" else 1] = kh
+  k = jax.ShapeDtypeStruct(tuple(kshape), jnp.bfloat16)
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+
+  def backward(q, k, v, do):
+    call = _inputs.parse(q, k, v, layout=layout, is_causal=not uniform)
+    return mosaic.BACKEND.backward(call, config, do, None,
+                                   mosaic.BACKEND.forward(call, config))
+
+  text = jax.jit(backward).trace(q, k, k, q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert ("dynamic_update_slice" in text) == uniform
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("shape,layout", [
+    ((3, 512, 512, 4, 1, 128), "BTNH"),  # all split (MQA)
+    ((1, 2048, 2048, 20, 10, 128), "BNTH"),  # whole tiles, then parts
+    ((2, 1024, 1024, 20, 10, 128), "BTNH")])
+def test_gpu_backward_split_last_round(shape, layout):
+  """The fused backward with its last round's tiles split in parts (the
+  default where tiles are equal) against exact gradients (cos > 0.999)
+  and against the same kernel unsplit on the same inputs (equal but for
+  the parts' 16-bit rounding before their f32 sum and dQ's order of
+  adds); outputs poisoned before each run."""
+  b, t, s, n, kh, h = shape
+  assert mosaic_backward.last_round_split(
+      kh, b * s // 128, steps=t // 64, num_sms=sm_count()) is not None
+  q, k, v = _data(b, t, s, n, kh, h, layout=layout)
+  do = jax.random.normal(jax.random.PRNGKey(next(_seed)), q.shape, q.dtype)
+  default = mosaic.default_backward_tiling(128, fused_dq=True)
+  assert default.split_last_round
+
+  def grads(impl, tiling=None):
+    backend = mosaic.BACKEND
+    old, backend.backward_tiling = backend.backward_tiling, tiling
+    try:
+      _poison(16 * q.size * 4)
+      return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+          sagejax.attention(q, k, v, layout=layout, implementation=impl
+                            ).astype(jnp.float32) * do.astype(jnp.float32)),
+          (0, 1, 2)))(q, k, v)
+    finally:
+      backend.backward_tiling = old
+
+  want = grads("xla")
+  got = grads("mosaic")
+  unsplit = grads("mosaic", dataclasses.replace(default,
+                                                split_last_round=False))
+  cos = {name: (testing.error_metrics(g, w)["cos_sim"],
+                testing.error_metrics(g, u)["cos_sim"])
+         for name, g, w, u in zip(("dq", "dk", "dv"), got, want, unsplit)}
+  assert all(c > 0.999 and c_unsplit > 0.99999
+             for c, c_unsplit in cos.values()), cos
   _check_grads(got, want, 0.999)
 
 

@@ -20,7 +20,10 @@ run BF16/FP16 ``wgmma`` with FP32 accumulators:
   tiles with their lse₂ and δ. Each consumer computes Sᵀ = K·Qᵀ and
   dPᵀ = V·dOᵀ (one wait), then Pᵀ and dSᵀ in registers, and adds
   Pᵀ·dO into dV and dSᵀ·Q into dK (register A operands). dK/dV are summed
-  over the group in registers: K/V are read once, never repeated.
+  over the group in registers: K/V are read once, never repeated. Where
+  all tiles do the same work, those of the grid's last, partial round of
+  CTAs may each be run by several CTAs over shares of the query blocks
+  (``MosaicBackwardTiling.split_last_round``).
 * dQ: a CTA owns 128 query rows of one head; the producer streams the K and
   V tiles it sees; each consumer computes S = Q·Kᵀ and dP = dO·Vᵀ, then dS,
   and adds dS·K into dQ. Causal CTAs run heaviest first. It runs first:
@@ -47,6 +50,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +110,12 @@ class MosaicBackwardTiling:
       a window's edges, lengths) in one loop, instead of masked head,
       unmasked middle, masked tail (three loops); the producer loads in
       the same order.
+    split_last_round: with ``fused_dq`` and without ``dq_turns`` (else
+      it has no effect), where every tile does the same work (no causal
+      mask, window, lengths or padding): the tiles of the grid's last,
+      partial round of CTAs (:func:`last_round_split`) are each run by
+      several CTAs, each over a share of the query blocks, whose 16-bit
+      partial dK/dV are summed in f32 after the kernel.
   """
 
   block_q: int = 64
@@ -116,6 +127,7 @@ class MosaicBackwardTiling:
   dq_turns: bool = False
   static_consumers: bool = False
   unmasked_first: bool = False
+  split_last_round: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_kv"):
@@ -145,6 +157,52 @@ def _check_wide(tiling: MosaicBackwardTiling, delta) -> None:
         f"above H={WIDE_ABOVE_HEAD_DIM} the Mosaic backward runs "
         f"MosaicBackwardTiling(block_q={ROWS}, block_kv={ROWS}, "
         f"num_stages=2, fused_dq=False), got {tiling}.")
+
+
+# A CTA's fixed cost (K/V load, pipeline fill, epilogue), in query-block
+# steps, for :func:`last_round_split`'s model.
+_CTA_OVERHEAD_STEPS = 1.5
+
+
+def last_round_split(rows: int, tiles_per_row: int, steps: int,
+                     num_sms: int, min_gain: float = 0.01
+                     ) -> Optional[tuple[int, int]]:
+  """Which tiles of a grid of equal tiles to split, and in how many parts.
+
+  The grid's ``rows · tiles_per_row`` tiles (for :func:`_dkdv`: KV heads ·
+  tiles a head), each ``steps`` query-block steps long, run one CTA an SM
+  in launch order, so ``T`` tiles take ``⌈T / num_sms⌉`` tile times and
+  the last round leaves SMs idle (NOTES, Mosaic §24). Splitting the last
+  ``m`` rows' tiles in ``k`` parts of ``steps / k`` steps each, launched
+  after the whole tiles, fills those SMs; each CTA also pays a fixed cost
+  of ``_CTA_OVERHEAD_STEPS``. The plan is the ``(m, k)`` whose greedy
+  schedule ends first, or None when none ends ``min_gain`` sooner than the
+  unsplit grid.
+  """
+  total = rows * tiles_per_row
+  rem = total % num_sms
+  if rem == 0 or steps < 4:
+    return None
+  unit = steps + _CTA_OVERHEAD_STEPS  # a whole tile's time
+  unsplit = -(-total // num_sms) * unit
+  m_min = -(-rem // tiles_per_row)
+  stride = max(1, -(-num_sms // tiles_per_row) // 8)
+  best, plan = unsplit * (1.0 - min_gain), None
+  for m in range(m_min, min(rows, m_min + 8 * stride) + 1, stride):
+    whole = total - m * tiles_per_row
+    rounds, busy = divmod(whole, num_sms)
+    for k in (2, 3, 4, 6, 8):
+      if 2 * k > steps:
+        break
+      free = [(rounds + 1) * unit] * busy + [rounds * unit] * (num_sms - busy)
+      heapq.heapify(free)
+      for p in range(m * tiles_per_row * k):
+        share = (p % k + 1) * steps // k - (p % k) * steps // k
+        heapq.heapreplace(free, free[0] + share + _CTA_OVERHEAD_STEPS)
+      end = max(max(free), (rounds + (busy > 0)) * unit)
+      if end < best:
+        best, plan = end, (m, k)
+  return plan
 
 
 def _hand_over(tile, smem, free_bar, ready_bar, *, n_step, buf) -> None:
@@ -278,6 +336,7 @@ def attention_backward(
     spec: MaskSpec, *, sm_scale: float, layout: str, q_lengths: jax.Array,
     kv_lengths: jax.Array,
     tiling: MosaicBackwardTiling = MosaicBackwardTiling(),
+    uniform_tiles: bool = False, num_sms: int = 132,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """dQ, dK, dV of exact attention on padded 16-bit inputs.
 
@@ -298,6 +357,10 @@ def attention_backward(
     spec: causal / window description (unpadded ``q_len``/``kv_len``).
     q_lengths, kv_lengths: int32 ``[B]`` valid lengths.
     tiling: kernel tiles; ``tiling.fused_dq`` picks the dQ arrangement.
+    uniform_tiles: no ``*_lengths`` limit any row (the caller passed
+      none), so that without a causal mask or window, and unpadded, every
+      dK/dV tile does the same work (``tiling.split_last_round``).
+    num_sms: the device's SMs, for ``tiling.split_last_round``'s plan.
 
   Returns:
     (dQ, dK, dV) in ``layout`` and the inputs' dtype, padded.
@@ -339,8 +402,22 @@ def attention_backward(
   if delta is None:  # a statistics-only pass of the dQ kernel
     lse2, delta = _dq(q, k, v, d_out, lse2, None, d_lse, k_mean, *lengths,
                       stats_only=True, **common)
+  split = None
+  if (tiling.split_last_round and not tiling.dq_turns and uniform_tiles
+      and not spec.is_causal and spec.window is None
+      and (spec.q_len, spec.kv_len) == (t_pad, s_pad)):
+    split = last_round_split(kh, b * (s_pad // (2 * ROWS)),
+                             steps=t_pad // tiling.block_q, num_sms=num_sms)
   acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-  dk, dv = _dkdv(q, k, v, d_out, lse2, delta, *lengths, acc, **common)
+  dk, dv, *parts = _dkdv(q, k, v, d_out, lse2, delta, *lengths, acc,
+                         split=split, **common)
+  if parts:
+    # Without the barrier, XLA (0.11.2's) pulls the kernel into a
+    # dynamic-slice fusion with the update of its own output by the parts'
+    # sum: a cycle, or wrong gradients (NOTES B35).
+    dk, dv, *parts = lax.optimization_barrier((dk, dv, *parts))
+    dk, dv = (_place_parts(x, x_parts, layout) for x, x_parts in
+              zip((dk, dv), parts))
   # Σ_j dS_ij = dLSE_i: the K mean's share of dQ.
   g = n // kh
   shift = d_lse[..., None] * jnp.repeat(k_mean.astype(jnp.float32), g,
@@ -351,12 +428,73 @@ def attention_backward(
   return dq, dk, dv
 
 
+def split_grid(kh: int, n_kt: int, b: int, split: tuple[int, int]
+               ) -> tuple[int, int]:
+  """(CTAs that run a whole tile, all CTAs) of :func:`_dkdv`'s grid of
+  ``kh · n_kt · b`` tiles with the last ``m`` KV heads' tiles in ``k``
+  parts (``split=(m, k)``)."""
+  m, k = split
+  tiles = kh * n_kt * b
+  whole = tiles - m * n_kt * b
+  return whole, whole + (tiles - whole) * k
+
+
+def split_cta(cta, whole: int, k: int, b: int, n_kt: int):
+  """``(kv_head, kv_tile, batch, part)`` of CTA ``cta`` of a split grid
+  (:func:`split_grid`): the whole tiles in the unsplit grid's order (batch
+  fastest, KV head slowest), then each split tile's ``k`` parts in turn;
+  ``part`` is meaningful for ``cta >= whole`` only."""
+  in_part = cta >= whole
+  tile = jnp.where(in_part, whole + lax.div(cta - whole, jnp.int32(k)), cta)
+  part = lax.rem(cta - whole, jnp.int32(k))
+  batch = lax.rem(tile, jnp.int32(b))
+  kv_tile = lax.rem(lax.div(tile, jnp.int32(b)), jnp.int32(n_kt))
+  kv_head = lax.div(tile, jnp.int32(b * n_kt))
+  return kv_head, kv_tile, batch, part
+
+
+def _place_parts(x: jax.Array, parts: jax.Array, layout: str) -> jax.Array:
+  """``x`` (dK or dV, ``[B, S_pad, K, H]`` or ``[B, K, S_pad, H]``) with
+  its last ``m`` KV heads set to the f32 sum of the ``k`` parts ``parts``
+  ``[k · B, m, S_pad, H]`` (:func:`_dkdv`'s split); XLA updates ``x`` in
+  place."""
+  b = x.shape[0]
+  _, m, s_pad, h = parts.shape
+  heads = jnp.sum(parts.reshape(-1, b, m, s_pad, h).astype(jnp.float32),
+                  axis=0).astype(x.dtype)
+  if layout == "BTNH":
+    kh = x.shape[2]
+    return lax.dynamic_update_slice(x, jnp.swapaxes(heads, 1, 2),
+                                    (0, 0, kh - m, 0))
+  kh = x.shape[1]
+  return lax.dynamic_update_slice(x, heads, (0, kh - m, 0, 0))
+
+
 def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
           *, spec: MaskSpec, c: float, sm_scale: float, layout: str,
-          tiling: MosaicBackwardTiling, dims):
+          tiling: MosaicBackwardTiling, dims,
+          split: Optional[tuple[int, int]] = None):
   """dK, dV; with ``dq_acc`` (a zeroed f32 ref shaped like ``q``) also adds
-  every CTA's ``dS·K`` into it by TMA reduce-add."""
+  every CTA's ``dS·K`` into it by TMA reduce-add.
+
+  CTAs run in the grid's order, batch fastest, KV head slowest (Pallas
+  gives the CUDA grid its axes reversed), so the CTAs on the device at
+  once share a few heads' Q and dO in L2. ``split=(m, k)``
+  (:func:`last_round_split`; fused, every tile unmasked): the tiles of the
+  last ``m`` KV heads, launched after the others in that order, are run by
+  ``k`` CTAs each, part ``p`` over the ``p``-th ``k``-th of the query
+  blocks of every head of the group; their dK (times ``sm_scale``) and dV
+  go to two extra outputs ``[k · B, m, S_pad, H]`` instead (to be summed:
+  :func:`_place_parts`), and their rows of dK and dV are left unwritten.
+  """
   b, n, t_pad, h, kh, s_pad = dims
+  n_kt = s_pad // (2 * ROWS)
+  if split is not None:
+    m_split, k_split = split
+    whole, num_ctas = split_grid(kh, n_kt, b, split)
+    if dq_acc is None or tiling.dq_turns or not 1 <= m_split <= kh:
+      raise ValueError(f"split={split} needs the fused kernel without "
+                       f"turns and 1 <= m <= {kh}.")
   g = n // kh
   bq, stages = tiling.block_q, tiling.num_stages
   num_q_blocks = t_pad // bq
@@ -372,20 +510,32 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
   def kernel(*refs):
     if fused:
       (q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, ql_ref, kl_ref,
-       dq_ref, dk_ref, dv_ref, scratch) = refs
+       dq_ref, dk_ref, dv_ref, *parts, scratch) = refs
     else:
       (q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, ql_ref, kl_ref,
        dk_ref, dv_ref, scratch) = refs
     (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem) = scratch[0][:6]
     kv_bar, in_bar, free = scratch[1][:3]
-    kv_head = lax.axis_index("kv_heads")
-    kt = lax.axis_index("kv_tiles")
-    batch = lax.axis_index("batch")
+    if split is None:
+      kv_head = lax.axis_index("kv_heads")
+      kt = lax.axis_index("kv_tiles")
+      batch = lax.axis_index("batch")
+    else:  # a flat grid: whole tiles, then k CTAs per split tile
+      dkp_ref, dvp_ref = parts
+      cta = lax.axis_index("ctas")
+      kv_head, kt, batch, part = split_cta(cta, whole, k_split, b, n_kt)
+      in_part = cta >= whole
     wg = lax.axis_index("wg")
     q_len, kv_len = ql_ref[batch], kl_ref[batch]
     cta_first = kt * (2 * ROWS)
     blocks = query_blocks(spec, cta_first, 2 * ROWS, q_len, kv_len, bq,
                           num_q_blocks, False)
+    if split is not None:  # a part's share of the (unmasked) query blocks
+      lo, hi = blocks[0], blocks[3]
+      first = lo + lax.div(part * (hi - lo), jnp.int32(k_split))
+      last = lo + lax.div((part + 1) * (hi - lo), jnp.int32(k_split))
+      blocks = tuple(jnp.where(in_part, x, y) for x, y in
+                     zip((first, first, last, last), blocks))
     lo, hi = blocks[0], blocks[3]
     per_head = hi - lo
     if fused:  # dSᵀ of two steps; the dQ halves on their way to dq_ref
@@ -520,10 +670,26 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
       k_own[...] = (dk * sm_scale).astype(dk_ref.dtype)
       v_own[...] = dv.astype(dv_ref.dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          k_own, tile_rows(dk_ref, layout, batch, kv_head, k0, ROWS))
-      plgpu.copy_smem_to_gmem(
-          v_own, tile_rows(dv_ref, layout, batch, kv_head, k0, ROWS))
+
+      def store(dk_rows, dv_rows):
+        plgpu.copy_smem_to_gmem(k_own, dk_rows)
+        plgpu.copy_smem_to_gmem(v_own, dv_rows)
+
+      def store_whole():
+        store(tile_rows(dk_ref, layout, batch, kv_head, k0, ROWS),
+              tile_rows(dv_ref, layout, batch, kv_head, k0, ROWS))
+
+      if split is None:
+        store_whole()
+      else:
+        pl.when(cta < whole)(store_whole)
+
+        @pl.when(in_part)
+        def _():  # part `part` of a tile of the split heads
+          at = (part * b + batch, kv_head - (kh - m_split), k0, ROWS)
+          store(tile_rows(dkp_ref, "BNTH", *at),
+                tile_rows(dvp_ref, "BNTH", *at))
+
       # Shared memory is read out before the CTA exits (the writes finish
       # without us; NOTES B18).
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -597,9 +763,15 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
 
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype),
               jax.ShapeDtypeStruct(v.shape, v.dtype))
-  mesh = plgpu.Mesh(grid=(kh, s_pad // (2 * ROWS), b),
-                    grid_names=("kv_heads", "kv_tiles", "batch"),
-                    num_threads=3, thread_name="wg")
+  if split is None:
+    grid, grid_names = (kh, n_kt, b), ("kv_heads", "kv_tiles", "batch")
+  else:
+    grid, grid_names = (num_ctas,), ("ctas",)
+    part_type = jax.ShapeDtypeStruct((k_split * b, m_split, s_pad, h),
+                                     k.dtype)
+    out_type += (part_type, part_type)
+  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3,
+                    thread_name="wg")
   params = plgpu.CompilerParams(approx_math=True)
   inputs = (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
   if fused:  # dq_acc is a Ref: pl.kernel aliases it in and out
