@@ -1245,6 +1245,23 @@ def test_split_grid_runs_every_tile_once(kh, n_kt, b, split):
   assert runs == want
 
 
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+def test_split_parts_placed_in_the_last_kv_heads(layout):
+  """The split's parts ``[k · B, m, S, H]`` summed (f32) into dK/dV's last
+  m KV heads, the other heads untouched."""
+  b, kh, s, h, m, k = 3, 5, 256, 8, 2, 4
+  rng = np.random.default_rng(next(_seed))
+  parts = rng.normal(size=(k * b, m, s, h)).astype(np.float32)
+  x = rng.normal(size=(b, kh, s, h)).astype(np.float32)  # BNTH
+  want = x.copy()
+  want[:, kh - m:] = parts.reshape(k, b, m, s, h).sum(0)
+  if layout == "BTNH":
+    x, want = np.swapaxes(x, 1, 2), np.swapaxes(want, 1, 2)
+  got = mosaic_backward._place_parts(jnp.asarray(x), jnp.asarray(parts),
+                                     layout)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout,uniform", [
     ("BTNH", True), ("BNTH", True), ("BTNH", False)])
 def test_backward_splits_the_last_round_only_for_equal_tiles(layout,
