@@ -1293,7 +1293,7 @@ def test_backward_splits_the_last_round_only_for_equal_tiles(layout,
     ((3, 512, 512, 4, 1, 128), "BTNH"),  # all split (MQA)
     ((1, 2048, 2048, 20, 10, 128), "BNTH"),  # whole tiles, then parts
     ((2, 1024, 1024, 20, 10, 128), "BTNH")])
-def test_gpu_backward_split_last_round(shape, layout):
+def test_gpu_backward_split_last_round(shape, layout, monkeypatch):
   """The fused backward with its last round's tiles split in parts (the
   default where tiles are equal) against exact gradients (cos > 0.999)
   and against the same kernel unsplit on the same inputs (equal but for
@@ -1308,16 +1308,12 @@ def test_gpu_backward_split_last_round(shape, layout):
   assert default.split_last_round
 
   def grads(impl, tiling=None):
-    backend = mosaic.BACKEND
-    old, backend.backward_tiling = backend.backward_tiling, tiling
-    try:
-      _poison(16 * q.size * 4)
-      return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
-          sagejax.attention(q, k, v, layout=layout, implementation=impl
-                            ).astype(jnp.float32) * do.astype(jnp.float32)),
-          (0, 1, 2)))(q, k, v)
-    finally:
-      backend.backward_tiling = old
+    monkeypatch.setattr(mosaic.BACKEND, "backward_tiling", tiling)
+    _poison(16 * q.size * 4)
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+        sagejax.attention(q, k, v, layout=layout, implementation=impl
+                          ).astype(jnp.float32) * do.astype(jnp.float32)),
+        (0, 1, 2)))(q, k, v)
 
   want = grads("xla")
   got = grads("mosaic")
