@@ -65,7 +65,7 @@ def main():
           for _ in range(args.calls):
             r = fn(q, pools)
           jax.block_until_ready(r)
-        times = kernel_times(d, args.calls)
+        times, _ = kernel_times(d, args.calls)
       total = sum(t for t, _ in times.values()) / args.calls
       print(f"\n## {name} B={b} tokens={s} pages of {ps}: wall {wall:.1f} us,"
             f" kernels {total:.1f} us per call", flush=True)

@@ -178,7 +178,7 @@ def main():
               r = f(*call)
             jax.block_until_ready(r)
           prof = {k: v[0] / 10 for k, v in
-                  profile_step.kernel_times(d, 10).items()}
+                  profile_step.kernel_times(d, 10)[0].items()}
       summary.append(dict(batch=b, tokens=s, kind=kind, tiling=str(best),
                           us=best_t and best_t * 1e6,
                           tb_s=best_t and nbytes / best_t / 1e12,

@@ -10,7 +10,12 @@ forward alone; ``cudnn-train`` / ``cudnn-forward``: the same through
 up, then runs ``--calls`` back-to-back calls under ``jax.profiler.trace``
 and sums the GPU kernels' durations by name (from the Perfetto trace).
 Prints one table per step (ms per call, share of the step) and writes the
-rows to ``profile_step.json`` under ``--out``.
+rows to ``profile_step.json`` under ``--out``. With ``--rounds R``, then
+times the shape's steps against each other by device time
+(:func:`interleaved_device_times`: one trace, R rounds of blocks of
+``--calls`` calls, the steps in turn; host dispatch and synchronization
+stay out) and prints each step's median ms per call, with the ratio to its
+cuDNN counterpart.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import sagejax
 from sagejax import testing
@@ -51,10 +57,9 @@ def step_fn(kind: str, causal: bool):
   return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
 
 
-def kernel_times(trace_dir: str, calls: int
-                 ) -> dict[str, tuple[float, int]]:
-  """{kernel name: (total µs, count)} of the GPU events in the trace; a
-  kernel launched k times per call is split into its k launches (#1..#k)."""
+def gpu_events(trace_dir: str) -> list[tuple[str, float, float]]:
+  """(name, start µs, duration µs) of the GPU kernels and device copies in
+  the newest trace under ``trace_dir``, by start."""
   path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
                           recursive=True) +
                 glob.glob(os.path.join(trace_dir, "**",
@@ -73,17 +78,30 @@ def kernel_times(trace_dir: str, calls: int
     print("no GPU process in the trace; processes:",
           sorted({str(e.get("args", {}).get("name")) for e in events
                   if e.get("name") == "process_name"})[:20])
-  runs: dict[str, list] = collections.defaultdict(list)  # (ts, dur)
+  out = []
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
       name = str(e.get("name", "?"))
       if name.startswith("$") or "Stream" in name or (
           "Memcpy" in name and "DtoD" not in name):
         continue
-      runs[name].append((float(e.get("ts", 0)), float(e["dur"])))
+      out.append((name, float(e.get("ts", 0)), float(e["dur"])))
+  return sorted(out, key=lambda x: x[1])
+
+
+def kernel_times(trace_dir: str, calls: int
+                 ) -> tuple[dict[str, tuple[float, int]], float]:
+  """{kernel name: (total µs, count)} of the GPU events in the trace (a
+  kernel launched k times per call is split into its k launches, #1..#k),
+  and the µs from the first event's start to the last one's end (the
+  kernels' sum and this span differ by the device's idle gaps)."""
+  events = gpu_events(trace_dir)
+  runs: dict[str, list] = collections.defaultdict(list)  # (ts, dur)
+  for name, ts, dur in events:
+    runs[name].append((ts, dur))
+  span = (max(ts + d for _, ts, d in events) - events[0][1]) if events else 0.0
   totals = {}
   for name, items in runs.items():
-    items.sort()
     per_call = max(1, round(len(items) / calls))
     if per_call == 1 or len(items) % per_call:
       totals[name] = (sum(d for _, d in items), len(items))
@@ -91,7 +109,56 @@ def kernel_times(trace_dir: str, calls: int
     for i in range(per_call):  # the i-th launch of this kernel in a call
       ds = [d for _, d in items[i::per_call]]
       totals[f"{name} #{i + 1}"] = (sum(ds), len(ds))
-  return totals
+  return totals, span
+
+
+def block_spans(events: list[tuple[str, float, float]], gap_us: float
+                ) -> list[tuple[float, int]]:
+  """(device span in µs from first start to last end, event count) of the
+  groups of events that idle gaps longer than ``gap_us`` separate: blocks
+  of back-to-back calls with a host synchronization between blocks."""
+  blocks, start, end, count = [], None, None, 0
+  for _, ts, dur in events:
+    if start is not None and ts - end > gap_us:
+      blocks.append((end - start, count))
+      start = None
+    if start is None:
+      start, end, count = ts, ts + dur, 0
+    end, count = max(end, ts + dur), count + 1
+  if start is not None:
+    blocks.append((end - start, count))
+  return blocks
+
+
+def interleaved_device_times(fns: dict, args, rounds: int, calls: int,
+                             gap_us: float = 10000.0) -> dict[str, list[float]]:
+  """Device ms per call of each of ``fns``, from one profiler trace of
+  ``rounds`` rounds of blocks of ``calls`` back-to-back calls, the steps in
+  turn (each round starting at another) with a synchronization after each
+  block: host dispatch and the wait for the result stay out of the numbers,
+  and drifts of the device's clocks fall on every step alike."""
+  names = list(fns)
+  order = []
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for rep in range(rounds):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+          for _ in range(calls):
+            r = fns[name](*args)
+          jax.block_until_ready(r)
+          time.sleep(3 * gap_us / 1e6)  # a gap no step has inside itself
+          order.append(name)
+    # A block has at least one event a call; fewer is a stray event (the
+    # profiler's own copies) in a gap.
+    blocks = [span for span, count in block_spans(gpu_events(d), gap_us)
+              if count >= calls]
+  if len(blocks) != len(order):
+    raise RuntimeError(f"{len(blocks)} blocks of events in the trace, "
+                       f"{len(order)} timed")
+  out: dict[str, list[float]] = {name: [] for name in names}
+  for name, span in zip(order, blocks):
+    out[name].append(span / calls / 1e3)
+  return out
 
 
 def main():
@@ -100,36 +167,47 @@ def main():
   p.add_argument("--shapes", default="2,4096,32,128,0")
   p.add_argument("--steps", default="train,cudnn-train,forward,cudnn-forward")
   p.add_argument("--calls", type=int, default=10)
+  p.add_argument("--rounds", type=int, default=0,
+                 help="then time the steps by device span, interleaved: "
+                      "this many rounds of --calls calls a step")
+  p.add_argument("--no-kernels", action="store_true",
+                 help="skip the per-kernel tables")
   args = p.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  rows = []
+  rows, spans = [], []
   for shape in args.shapes.split(";"):
     b, s, n, h, causal = (int(x) for x in shape.split(","))
     q, k, v = testing.make_qkv(jax.random.PRNGKey(0), b, s, s, n, n, h,
                                "normal", jnp.bfloat16)
     do = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.bfloat16)
+    fns = {}
     for kind in args.steps.split(","):
       fn = step_fn(kind, bool(causal))
       try:
         jax.block_until_ready(fn(q, k, v, do))
         jax.block_until_ready(fn(q, k, v, do))
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-          r = fn(q, k, v, do)
-        jax.block_until_ready(r)
-        wall_ms = (time.perf_counter() - t0) / args.calls * 1e3
-        with tempfile.TemporaryDirectory() as d:
-          with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(args.calls):
-              r = fn(q, k, v, do)
-            jax.block_until_ready(r)
-          times = kernel_times(d, args.calls)
       except Exception as e:  # pylint: disable=broad-except
         print(f"{kind} {shape}: {type(e).__name__}: {e}"[:400], flush=True)
         continue
+      fns[kind] = fn
+      if args.no_kernels:
+        continue
+      t0 = time.perf_counter()
+      for _ in range(args.calls):
+        r = fn(q, k, v, do)
+      jax.block_until_ready(r)
+      wall_ms = (time.perf_counter() - t0) / args.calls * 1e3
+      with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+          for _ in range(args.calls):
+            r = fn(q, k, v, do)
+          jax.block_until_ready(r)
+        times, span = kernel_times(d, args.calls)
       total = sum(t for t, _ in times.values()) / args.calls / 1e3
+      span_ms = span / args.calls / 1e3
       print(f"\n## {kind}  B,S,N,H,causal={shape}: wall {wall_ms:.3f} ms, "
-            f"kernels {total:.3f} ms per call", flush=True)
+            f"kernels {total:.3f} ms per call, device span {span_ms:.3f} ms "
+            f"(idle {span_ms - total:.3f})", flush=True)
       for name, (t, c) in sorted(times.items(), key=lambda x: -x[1][0]):
         ms = t / args.calls / 1e3
         if ms < 0.002:
@@ -137,10 +215,23 @@ def main():
         print(f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{max(1, c // args.calls):<3d}"
               f" {name[:110]}")
         rows.append(dict(kind=kind, shape=shape, kernel=name, ms=ms,
-                         count=c / args.calls, wall_ms=wall_ms))
+                         count=c / args.calls, wall_ms=wall_ms,
+                         span_ms=span_ms))
+    if args.rounds and fns:
+      per_call = interleaved_device_times(fns, (q, k, v, do), args.rounds,
+                                          args.calls)
+      med = {kind: float(np.median(ts)) for kind, ts in per_call.items()}
+      line = "  ".join(
+          f"{kind} {ms:.3f}" + (f" ({med['cudnn-' + kind] / ms:.3f}x cuDNN)"
+                                if "cudnn-" + kind in med else "")
+          for kind, ms in med.items())
+      print(f"\n## device ms per call, interleaved, median of {args.rounds} "
+            f"blocks of {args.calls}, B,S,N,H,causal={shape}: {line}",
+            flush=True)
+      spans.append(dict(shape=shape, per_call_ms=per_call, median_ms=med))
   with open(os.path.join(args.out, "profile_step.json"), "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f,
-              indent=1)
+    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows,
+                   interleaved=spans), f, indent=1)
 
 
 if __name__ == "__main__":
