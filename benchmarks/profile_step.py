@@ -12,7 +12,7 @@ and sums the GPU kernels' durations by name (from the Perfetto trace).
 Prints one table per step (ms per call, share of the step) and writes the
 rows to ``profile_step.json`` under ``--out``. With ``--rounds R``, then
 times the shape's steps against each other by device time
-(:func:`interleaved_device_times`: one trace, R rounds of blocks of
+(:func:`sagejax.bench.device_time.interleaved`: one trace, R rounds of blocks of
 ``--calls`` calls, the steps in turn; host dispatch and synchronization
 stay out) and prints each step's median ms per call, with the ratio to its
 cuDNN counterpart.
@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
-import re
 import tempfile
 import time
 
@@ -36,6 +33,8 @@ import numpy as np
 
 import sagejax
 from sagejax import testing
+from sagejax.bench import device_time
+from sagejax.bench.device_time import gpu_events
 
 
 def step_fn(kind: str, causal: bool):
@@ -55,38 +54,6 @@ def step_fn(kind: str, causal: bool):
     return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
 
   return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
-
-
-def gpu_events(trace_dir: str) -> list[tuple[str, float, float]]:
-  """(name, start µs, duration µs) of the GPU kernels and device copies in
-  the newest trace under ``trace_dir``, by start."""
-  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
-                          recursive=True) +
-                glob.glob(os.path.join(trace_dir, "**",
-                                       "perfetto_trace.json.gz"),
-                          recursive=True))[-1]
-  with gzip.open(path, "rt") as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  gpu_pids = set()
-  for e in events:
-    if e.get("ph") == "M" and e.get("name") == "process_name":
-      name = str(e.get("args", {}).get("name", ""))
-      if re.search(r"GPU|gpu|/device:", name) and "host" not in name.lower():
-        gpu_pids.add(e["pid"])
-  if not gpu_pids:
-    print("no GPU process in the trace; processes:",
-          sorted({str(e.get("args", {}).get("name")) for e in events
-                  if e.get("name") == "process_name"})[:20])
-  out = []
-  for e in events:
-    if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
-      name = str(e.get("name", "?"))
-      if name.startswith("$") or "Stream" in name or (
-          "Memcpy" in name and "DtoD" not in name):
-        continue
-      out.append((name, float(e.get("ts", 0)), float(e["dur"])))
-  return sorted(out, key=lambda x: x[1])
 
 
 def kernel_times(trace_dir: str, calls: int
@@ -110,55 +77,6 @@ def kernel_times(trace_dir: str, calls: int
       ds = [d for _, d in items[i::per_call]]
       totals[f"{name} #{i + 1}"] = (sum(ds), len(ds))
   return totals, span
-
-
-def block_spans(events: list[tuple[str, float, float]], gap_us: float
-                ) -> list[tuple[float, int]]:
-  """(device span in µs from first start to last end, event count) of the
-  groups of events that idle gaps longer than ``gap_us`` separate: blocks
-  of back-to-back calls with a host synchronization between blocks."""
-  blocks, start, end, count = [], None, None, 0
-  for _, ts, dur in events:
-    if start is not None and ts - end > gap_us:
-      blocks.append((end - start, count))
-      start = None
-    if start is None:
-      start, end, count = ts, ts + dur, 0
-    end, count = max(end, ts + dur), count + 1
-  if start is not None:
-    blocks.append((end - start, count))
-  return blocks
-
-
-def interleaved_device_times(fns: dict, args, rounds: int, calls: int,
-                             gap_us: float = 10000.0) -> dict[str, list[float]]:
-  """Device ms per call of each of ``fns``, from one profiler trace of
-  ``rounds`` rounds of blocks of ``calls`` back-to-back calls, the steps in
-  turn (each round starting at another) with a synchronization after each
-  block: host dispatch and the wait for the result stay out of the numbers,
-  and drifts of the device's clocks fall on every step alike."""
-  names = list(fns)
-  order = []
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-      for rep in range(rounds):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-          for _ in range(calls):
-            r = fns[name](*args)
-          jax.block_until_ready(r)
-          time.sleep(3 * gap_us / 1e6)  # a gap no step has inside itself
-          order.append(name)
-    # A block has at least one event a call; fewer is a stray event (the
-    # profiler's own copies) in a gap.
-    blocks = [span for span, count in block_spans(gpu_events(d), gap_us)
-              if count >= calls]
-  if len(blocks) != len(order):
-    raise RuntimeError(f"{len(blocks)} blocks of events in the trace, "
-                       f"{len(order)} timed")
-  out: dict[str, list[float]] = {name: [] for name in names}
-  for name, span in zip(order, blocks):
-    out[name].append(span / calls / 1e3)
-  return out
 
 
 def main():
@@ -218,8 +136,9 @@ def main():
                          count=c / args.calls, wall_ms=wall_ms,
                          span_ms=span_ms))
     if args.rounds and fns:
-      per_call = interleaved_device_times(fns, (q, k, v, do), args.rounds,
-                                          args.calls)
+      per_call = {kind: [t * 1e3 for t in ts] for kind, ts in
+                  device_time.interleaved(fns, [(q, k, v, do)], args.rounds,
+                                          args.calls).items()}
       med = {kind: float(np.median(ts)) for kind, ts in per_call.items()}
       line = "  ".join(
           f"{kind} {ms:.3f}" + (f" ({med['cudnn-' + kind] / ms:.3f}x cuDNN)"

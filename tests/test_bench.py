@@ -1,5 +1,6 @@
 """sagejax-bench end to end on CPU: reports, plots, RESULTS.md, bad args."""
 
+import gzip
 import json
 import pathlib
 import subprocess
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from sagejax import _inputs
-from sagejax.bench import accuracy, methods, report, serving, timing
+from sagejax.bench import (accuracy, device_time, methods, report, serving,
+                           timing)
 from sagejax.bench.cli import main
 from sagejax.config import PRESETS
 
@@ -301,6 +303,47 @@ def test_timing_counts_and_rotation():
   assert 0 < t.min_s <= t.median_s
   assert timing.rotating_sets(32, cfg) == 4  # 2 × 64 B of L2 / 32 B
   assert timing.rotating_sets(10**9, cfg) == 1
+
+
+def test_device_time_splits_the_trace_into_blocks(tmp_path):
+  # A perfetto trace as jax.profiler writes it: GPU kernels of two blocks
+  # of 2 calls, a host event and a host-to-device copy (both ignored), and
+  # a stray copy alone in the gap (fewer events than calls: not a block).
+  events = [
+      {"ph": "M", "name": "process_name", "pid": 1,
+       "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "name": "process_name", "pid": 2,
+       "args": {"name": "/host:CPU"}},
+      {"ph": "X", "pid": 1, "name": "kernel_b", "ts": 110.0, "dur": 40.0},
+      {"ph": "X", "pid": 1, "name": "kernel_a", "ts": 100.0, "dur": 5.0},
+      {"ph": "X", "pid": 1, "name": "Memcpy HtoD", "ts": 120.0, "dur": 9.0},
+      {"ph": "X", "pid": 2, "name": "host_op", "ts": 130.0, "dur": 500.0},
+      {"ph": "X", "pid": 1, "name": "Memcpy DtoD", "ts": 20000.0, "dur": 1.0},
+      {"ph": "X", "pid": 1, "name": "kernel_a", "ts": 50000.0, "dur": 5.0},
+      {"ph": "X", "pid": 1, "name": "kernel_b", "ts": 50007.0, "dur": 13.0},
+  ]
+  trace_dir = tmp_path / "plugins" / "profile" / "run"
+  trace_dir.mkdir(parents=True)
+  with gzip.open(trace_dir / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  found = device_time.gpu_events(str(tmp_path))
+  assert [e[0] for e in found] == ["kernel_a", "kernel_b", "Memcpy DtoD",
+                                   "kernel_a", "kernel_b"]
+  assert device_time.block_spans(found, 1000.0) == [
+      (50.0, 2), (1.0, 1), (20.0, 2)]
+  assert device_time.gpu_events(str(tmp_path / "none")) == []
+
+
+def test_device_clock_needs_a_gpu():
+  with pytest.raises(ValueError, match="pass 'wall' or 'device'"):
+    timing.TimingConfig(clock="host")
+  if any(d.platform == "gpu" for d in jax.devices()):
+    pytest.skip("a GPU is present: the device clock works here")
+  f = jax.jit(lambda x: x * 2).lower(jnp.ones(8)).compile()
+  cfg = timing.TimingConfig(repeats=2, target_s=0.001, min_calls=2,
+                            max_calls=2, clock="device")
+  with pytest.raises(RuntimeError, match="needs a GPU"):
+    timing.time_calls(f, [(jnp.ones(8),)], cfg)
 
 
 def test_anchor_comparison_uses_the_anchor_numbers():

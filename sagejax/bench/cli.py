@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--memory-seq", metavar="S",
                  help="memory: the long sequence length (default 16k on GPU)")
   p.add_argument("--repeats", type=int, help="timing repeats (median)")
+  p.add_argument("--clock", choices=("wall", "device"), default="wall",
+                 help="time each repeat by the host's clock (default) or by "
+                 "the device's span of its kernels in a profiler trace "
+                 "(GPU only; host dispatch and waits left out)")
   p.add_argument("--no-kernel-only", dest="kernel_only",
                  action="store_false",
                  help="speed: skip kernel-only (pre-quantized) timing")
@@ -346,7 +350,8 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser
 
   timing = st.TIMING_QUICK if small else st.TIMING_GPU
   timing = dataclasses.replace(timing, l2_bytes=env.l2_bytes(),
-                               repeats=args.repeats or timing.repeats)
+                               repeats=args.repeats or timing.repeats,
+                               clock=args.clock)
   settings = st.Settings(
       commands=tuple(commands), quick=args.quick, out=args.out, backends=sage,
       baselines=baselines, speed_presets=speed_presets,

@@ -6,6 +6,9 @@
   cached by the previous one), then blocks once; the device executes a
   stream in order, so the last result being ready means all are.
 * The figure is the median over repeats of (repeat time / calls).
+* ``clock="device"`` takes a repeat's time from a profiler trace instead
+  (:mod:`sagejax.bench.device_time`): the device's span of the repeat's
+  kernels, without the host's dispatch latency and wait (GPU only).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+
+from sagejax.bench import device_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +36,8 @@ class TimingConfig:
     max_sets: bound on the number of rotating input sets.
     sync_each_output: block on every output, not only the last (for
       clients that may run dispatches concurrently, like the CPU).
+    clock: ``"wall"`` (host clock around each repeat) or ``"device"``
+      (each repeat's device span in one profiler trace; GPU only).
   """
   repeats: int = 5
   target_s: float = 0.1
@@ -39,6 +46,11 @@ class TimingConfig:
   l2_bytes: int = 64 * 2**20
   max_sets: int = 16
   sync_each_output: bool = False
+  clock: str = "wall"
+
+  def __post_init__(self):
+    if self.clock not in ("wall", "device"):
+      raise ValueError(f"clock={self.clock!r}: pass 'wall' or 'device'.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +94,11 @@ def time_calls(fn: Callable[..., Any], arg_sets: Sequence[tuple],
   single = max(time.perf_counter() - start, 1e-7)
   calls = math.ceil(config.target_s / single)
   calls = max(config.min_calls, n, min(config.max_calls, calls))
+  if config.clock == "device":
+    per_call = device_time.interleaved({"fn": fn}, arg_sets, config.repeats,
+                                       calls)["fn"]
+    return Timing(median_s=statistics.median(per_call), min_s=min(per_call),
+                  calls=calls, repeats=config.repeats, input_sets=n)
   per_call = []
   for _ in range(config.repeats):
     outs = []

@@ -1,0 +1,121 @@
+"""Seconds per call measured on the device, from a JAX profiler trace.
+
+Wall-clock timing of a block of calls adds what the host does around the
+device's work: the first dispatch's latency, the final wait, and any gap a
+slow dispatch leaves. Here each block of back-to-back calls is followed by
+a wait and an idle gap, the whole run is traced once, and a block's time
+is its device span: from its first kernel's start to its last kernel's
+end, gaps between its kernels included.
+
+The device's clock depends on its power draw: on an H100 at its 700 W
+cap, cuDNN's dense bf16 attention ran at ~1.5-1.67 GHz in blocks of 200
+calls and near 1.98 GHz in blocks of 20 with idle between
+(benchmarks/NOTES.md, Mosaic §25). Short blocks measure speed at full
+clocks; long ones, sustained throughput.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+
+Event = tuple[str, float, float]  # (name, start µs, duration µs)
+
+
+def gpu_events(trace_dir: str) -> list[Event]:
+  """The GPU kernels and device-to-device copies of the newest trace under
+  ``trace_dir`` (``jax.profiler.trace(..., create_perfetto_trace=True)``),
+  by start time."""
+  paths = sorted(
+      glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
+                recursive=True) +
+      glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                recursive=True))
+  if not paths:
+    return []
+  with gzip.open(paths[-1], "rt") as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  gpu_pids = set()
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      name = str(e.get("args", {}).get("name", ""))
+      if re.search(r"GPU|gpu|/device:", name) and "host" not in name.lower():
+        gpu_pids.add(e["pid"])
+  out = []
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
+      name = str(e.get("name", "?"))
+      if name.startswith("$") or "Stream" in name or (
+          "Memcpy" in name and "DtoD" not in name):
+        continue
+      out.append((name, float(e.get("ts", 0)), float(e["dur"])))
+  return sorted(out, key=lambda x: x[1])
+
+
+def block_spans(events: Sequence[Event], gap_us: float
+                ) -> list[tuple[float, int]]:
+  """(span in µs from first start to last end, event count) of each group
+  of ``events`` that idle gaps longer than ``gap_us`` separate."""
+  blocks, start, end, count = [], None, None, 0
+  for _, ts, dur in events:
+    if start is not None and ts - end > gap_us:
+      blocks.append((end - start, count))
+      start = None
+    if start is None:
+      start, end, count = ts, ts + dur, 0
+    end, count = max(end, ts + dur), count + 1
+  if start is not None:
+    blocks.append((end - start, count))
+  return blocks
+
+
+def interleaved(fns: Mapping[str, Callable[..., Any]],
+                arg_sets: Sequence[tuple], rounds: int, calls: int,
+                gap_s: float = 0.03) -> dict[str, list[float]]:
+  """Device seconds per call of each of ``fns`` (compiled and warmed up),
+  one value per round: ``rounds`` rounds of a block of ``calls`` calls of
+  each function in turn (each round starting at the next function), call
+  ``i`` of a block on ``arg_sets[i % len(arg_sets)]``, each block waited
+  for and followed by ``gap_s`` of idle, all in one profiler trace. A drift
+  of the device's clocks then falls on every function alike.
+
+  Raises RuntimeError where the trace holds no GPU kernels (a CPU backend),
+  or where its idle gaps do not split it into the blocks that ran.
+  """
+  names = list(fns)
+  order = []
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+          out = None
+          for i in range(calls):
+            out = fns[name](*arg_sets[i % len(arg_sets)])
+          jax.block_until_ready(out)
+          time.sleep(gap_s)
+          order.append(name)
+    events = gpu_events(d)
+  if not events:
+    raise RuntimeError("the profiler trace holds no GPU kernels: device "
+                       "time needs a GPU; time with clock='wall' instead.")
+  # Fewer events than calls is not a block: a stray event (the profiler's
+  # own copies) in a gap.
+  blocks = [span for span, count in block_spans(events, gap_s * 1e6 / 3)
+            if count >= calls]
+  if len(blocks) != len(order):
+    raise RuntimeError(f"{len(blocks)} blocks of kernels in the trace for "
+                       f"{len(order)} timed: a call idles the device for "
+                       f"more than {gap_s / 3:.3f} s; pass a larger gap_s.")
+  per_call: dict[str, list[float]] = {name: [] for name in names}
+  for name, span_us in zip(order, blocks):
+    per_call[name].append(span_us * 1e-6 / calls)
+  return per_call
