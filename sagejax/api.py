@@ -55,49 +55,74 @@ def _saves_lse2(name: str, call, config: SageConfig) -> bool:
           and backend.saves_lse2(call, config))
 
 
+def _centres_k(name: str, call, config: SageConfig) -> bool:
+  """Whether backend ``name``'s forward under ``jax.grad`` also makes K − k̄
+  and k̄ for its backward (``centres_k``: the backward then takes them in
+  place of K, and reads K no more)."""
+  backend = backends.registry()[name]
+  return (_saves_lse2(name, call, config)
+          and callable(getattr(backend, "centres_k", None))
+          and backend.centres_k(call, config))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Run:
   """The forward on one backend (hashable: eager calls reuse compilations).
   ``residual``: also the row statistic its backward keeps (the LSE, or
-  lse₂ where :func:`_saves_lse2`)."""
+  lse₂ where :func:`_saves_lse2`); ``centre_k``: also K − k̄ and k̄ where
+  this backend :func:`_centres_k` (else K itself and zeros: one structure
+  on every platform)."""
   static: _Static
   backend: str
   config: SageConfig
   residual: bool = False
+  centre_k: bool = False
 
   def __call__(self, q, k, v, bias, mask, q_lengths, kv_lengths):
     call = _call_of(self.static, q, k, v, bias, mask, q_lengths, kv_lengths)
     backend = backends.registry()[self.backend]
+    if self.centre_k and _centres_k(self.backend, call, self.config):
+      out, lse, rows, (k_centred, k_bar) = backend.forward_residual(
+          call, self.config, centre_k=True)
+      return out.astype(q.dtype), lse, rows, k_centred, k_bar
     if self.residual and _saves_lse2(self.backend, call, self.config):
       out, lse, rows = backend.forward_residual(call, self.config)
-      return out.astype(q.dtype), lse, rows
-    out, lse = backend.forward(call, self.config)
-    return (out.astype(q.dtype), lse) + ((lse,) if self.residual else ())
+    else:
+      out, lse = backend.forward(call, self.config)
+      rows = lse
+    out = (out.astype(q.dtype), lse) + ((rows,) if self.residual else ())
+    if self.centre_k:  # another platform's backend centres K
+      b, _, _, h, kh, _ = call.dims
+      out += (k, jnp.zeros((b, kh, h), jnp.float32))
+    return out
 
 
 def _forward(static, q, k, v, bias, mask, q_lengths, kv_lengths,
-             residual: bool = False):
+             residual: bool = False, centre_k: bool = False):
   """The forward, run on each device's batch/head shard (sagejax.sharding):
-  (output, LSE[, the backward's row statistic: :class:`_Run`])."""
+  (output, LSE[, the backward's row statistic[, K − k̄, k̄]]: :class:`_Run`)."""
   return sharding.attention_forward(
-      functools.partial(_local_forward, static, residual=residual),
-      static.layout, residual=residual)(
+      functools.partial(_local_forward, static, residual=residual,
+                        centre_k=centre_k),
+      static.layout, residual=residual, centre_k=centre_k)(
           q, k, v, bias, mask, q_lengths, kv_lengths)
 
 
 def _local_forward(static, q, k, v, bias, mask, q_lengths, kv_lengths,
-                   residual: bool = False):
+                   residual: bool = False, centre_k: bool = False):
   arrays = (q, k, v, bias, mask, q_lengths, kv_lengths)
-  default = _Run(static, static.backend, static.config, residual)
+  default = _Run(static, static.backend, static.config, residual, centre_k)
   if not static.per_platform:
     return default(*arrays)
   # Chosen when lowering, per platform: an export for ("cuda", "cpu") holds
   # the GPU kernels for CUDA and the default ("xla") for the CPU.
-  b, n, t, _, _, _ = _call_of(static, *arrays).dims
+  b, n, t, h, kh, _ = _call_of(static, *arrays).dims
   rows = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
   out_shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), rows) + (
-      (rows,) if residual else ())
-  branches = {platform: _Run(static, name, config, residual)
+      (rows,) if residual else ()) + ((
+          jax.ShapeDtypeStruct(k.shape, k.dtype),
+          jax.ShapeDtypeStruct((b, kh, h), jnp.float32)) if centre_k else ())
+  branches = {platform: _Run(static, name, config, residual, centre_k)
               for platform, name, config in static.per_platform}
   return _platforms.platform_dependent(*arrays, default=default,
                                        out_shapes=out_shapes, **branches)
@@ -139,11 +164,17 @@ def _sage_attention_fwd(static, q, k, v, bias, mask, q_lengths, kv_lengths):
   # have one structure on every platform).
   kernel_bwd = [(name, config) for name, config in _branches(static)
                 if backends.backward_of(name, call, config) is not None]
+  # Where a branch's K pass also writes K − k̄, the residual K is that
+  # branch's K − k̄, with k̄ beside it (other branches: K, and zeros).
+  centre_k = any(_centres_k(name, call, config)
+                 for name, config in _branches(static))
   out, lse, *rows = _forward(static, q, k, v, bias, mask, q_lengths,
-                             kv_lengths, residual=bool(kernel_bwd))
+                             kv_lengths, residual=bool(kernel_bwd),
+                             centre_k=centre_k)
   keep_out = any(config.saved_stats for _, config in kernel_bwd)
   saved = (out if keep_out else None, rows[0]) if kernel_bwd else None
-  res = (q, k, v, bias, mask, q_lengths, kv_lengths, saved)
+  k_res, k_bar = (rows[1], rows[2]) if centre_k else (k, None)
+  res = (q, k_res, v, bias, mask, q_lengths, kv_lengths, saved, k_bar)
   return (out, lse), res
 
 
@@ -161,7 +192,9 @@ class _Grads:
   config: SageConfig
 
   def __call__(self, q, k, v, bias, mask, q_lengths, kv_lengths, saved,
-               d_out, d_lse):
+               d_out, d_lse, k_bar=None):
+    """``k_bar``: where this backend :func:`_centres_k`, ``k`` is K − k̄
+    (the forward's residual) and this is k̄; else ignored."""
     static = self.static
     call = _call_of(static, q, k, v, bias, mask, q_lengths, kv_lengths)
     backend = backends.backward_of(self.backend, call, self.config)
@@ -171,6 +204,8 @@ class _Grads:
       extra = {}
       if saved is not None and _saves_lse2(self.backend, call, self.config):
         extra = dict(saved_lse2=True)  # the forward kept lse₂ (_Run)
+      if k_bar is not None and _centres_k(self.backend, call, self.config):
+        extra["k_bar"] = k_bar
       dq, dk, dv, dbias = backend.backward(
           call, self.config, d_out, d_lse, saved, **extra)
     else:
@@ -187,23 +222,24 @@ class _Grads:
 
 
 def _sage_attention_bwd(static, res, cotangents):
-  q, k, v, bias, mask, q_lengths, kv_lengths, saved = res
+  q, k, v, bias, mask, q_lengths, kv_lengths, saved, k_bar = res
   static = _differentiated(static, _call_of(static, q, k, v, bias, mask,
                                             q_lengths, kv_lengths))
   out, lse = (None, None) if saved is None else saved
   grads = sharding.attention_backward(
       functools.partial(_local_backward, static), static.layout,
       bias is not None)(q, k, v, bias, mask, q_lengths, kv_lengths,
-                        *cotangents, out, lse)
+                        *cotangents, out, lse, k_bar)
   dbias = grads[3] if bias is not None else None
   return grads[0], grads[1], grads[2], dbias, None, None, None
 
 
 def _local_backward(static, q, k, v, bias, mask, q_lengths, kv_lengths, d_out,
-                    d_lse, out, lse):
+                    d_lse, out, lse, k_bar=None):
   """Gradients on one device's batch/head shard."""
   saved = None if lse is None else (out, lse)
-  args = (q, k, v, bias, mask, q_lengths, kv_lengths, saved, d_out, d_lse)
+  args = (q, k, v, bias, mask, q_lengths, kv_lengths, saved, d_out, d_lse,
+          k_bar)
   default = _Grads(static, static.backend, static.config)
   if not static.per_platform:
     dq, dk, dv, dbias = default(*args)

@@ -471,34 +471,40 @@ def attention_roles(layout: str) -> dict[str, tuple[str, ...]]:
           "bias": (BATCH, HEADS, Q_SEQ, KV_SEQ),
           "mask": (BATCH, HEADS, Q_SEQ, KV_SEQ),
           "query_seq_lengths": (BATCH,), "key_value_seq_lengths": (BATCH,),
-          "lse": (BATCH, HEADS, Q_SEQ)}
+          "lse": (BATCH, HEADS, Q_SEQ),
+          "key mean": (BATCH, KV_HEADS, HEAD_DIM)}
 
 
 _INPUTS = ("query", "key", "value", "bias", "mask", "query_seq_lengths",
            "key_value_seq_lengths")
 
 
-def attention_forward(fn: Callable, layout: str, residual: bool = False
-                      ) -> Callable:
+def attention_forward(fn: Callable, layout: str, residual: bool = False,
+                      centre_k: bool = False) -> Callable:
   """``fn(q, k, v, bias, mask, q_lengths, kv_lengths) -> (out, lse)``
-  (``residual``: ``(out, lse, rows)``, ``rows`` shaped as ``lse``),
+  (``residual``: ``(out, lse, rows)``, ``rows`` shaped as ``lse``;
+  ``centre_k``: then K − k̄ shaped as ``k`` and k̄ ``[B, K, H]``),
   partitioned over batch and heads."""
   r = attention_roles(layout)
-  return batch_head_parallel(fn, [r[n] for n in _INPUTS],
-                             [r["query"], r["lse"]] + [r["lse"]] * residual,
+  outs = [r["query"], r["lse"]] + [r["lse"]] * residual
+  if centre_k:
+    outs += [r["key"], r["key mean"]]
+  return batch_head_parallel(fn, [r[n] for n in _INPUTS], outs,
                              names=_INPUTS)
 
 
 def attention_backward(fn: Callable, layout: str, has_bias: bool) -> Callable:
   """``fn(q, k, v, bias, mask, q_lengths, kv_lengths, d_out, d_lse, out,
-  lse) -> (dq, dk, dv[, dbias])`` (``out``, ``lse``: saved forward statistics
-  or None) partitioned over batch and heads; a bias broadcast over a sharded
+  lse, k_bar) -> (dq, dk, dv[, dbias])`` (``out``, ``lse``: saved forward
+  statistics or None; ``k_bar``: k̄ ``[B, K, H]`` where ``k`` is K − k̄, or
+  None) partitioned over batch and heads; a bias broadcast over a sharded
   axis gets its gradient summed over the shards."""
   r = attention_roles(layout)
   outs = [r["query"], r["key"], r["value"]]
   if has_bias:
     outs.append(r["bias"])
   return batch_head_parallel(
-      fn, [r[n] for n in _INPUTS] + [r["query"], r["lse"]] * 2, outs,
+      fn, [r[n] for n in _INPUTS] + [r["query"], r["lse"]] * 2
+      + [r["key mean"]], outs,
       names=_INPUTS + ("output cotangent", "lse cotangent", "saved output",
-                       "saved lse"))
+                       "saved lse", "saved key mean"))

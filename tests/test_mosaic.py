@@ -850,6 +850,61 @@ def test_backward_from_the_forwards_lse2_lowers_for_cuda(layout, causal):
   assert "cp.reduce.async.bulk.tensor" in text
 
 
+@pytest.mark.parametrize("layout,causal", [("BTNH", True), ("BNTH", False)])
+def test_backward_takes_the_k_pass_centred_k(layout, causal):
+  """With ``centre_k`` the training forward's K pass writes K − k̄ and the
+  backward takes it (``k_bar``) instead of its own XLA copy of K − k̄: the
+  lowered program has the same two kernels and no f32 subtract over K's
+  shape (the copy's), which the program without it has."""
+  q, k, v = _data(2, 256, 256, 4, 2, 128, layout=layout)
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  k_f32 = "x".join(map(str, k.shape)) + "xf32>"
+
+  def lowered(centre):
+    def f(q, k, v, do):
+      call = _inputs.parse(q, k, v, layout=layout, is_causal=causal)
+      assert mosaic.BACKEND.centres_k(call, config)
+      out, _, lse2, *centred = mosaic.BACKEND.forward_residual(
+          call, config, centre_k=centre)
+      if centre:
+        (k_centred, k_bar), = centred
+        assert k_centred.shape == k.shape and k_bar.shape == (2, 2, 128)
+        call = _inputs.parse(q, k_centred, v, layout=layout,
+                             is_causal=causal)
+        return mosaic.BACKEND.backward(call, config, do, None, (out, lse2),
+                                       saved_lse2=True, k_bar=k_bar)
+      return mosaic.BACKEND.backward(call, config, do, None, (out, lse2),
+                                     saved_lse2=True)
+    return jax.jit(f).trace(q, k, v, q).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+  for centre in (True, False):
+    text = lowered(centre)
+    assert text.count("mosaic_gpu_v2") == 2
+    copies = [line for line in text.splitlines()
+              if "stablehlo.subtract" in line and k_f32 in line]
+    assert bool(copies) != centre, (centre, copies)
+
+
+def test_centres_k_only_where_no_pass_pads_k():
+  """K − k̄ comes from the forward's K pass only with lse₂ saved and K
+  unpadded by both passes: head dim a power of two from 64, keys a
+  multiple of 128 (the backward's tile pair) and of the forward's step."""
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  def centres(s, h, cfg=config, **kw):
+    q, k, v = _data(1, 64, s, 4, 2, h)
+    return mosaic.BACKEND.centres_k(_inputs.parse(q, k, v, **kw), cfg)
+  assert centres(256, 128) and centres(512, 64)
+  assert centres(256, 128, is_causal=True)
+  assert not centres(300, 128)  # keys padded
+  assert not centres(192, 128)  # not a multiple of 128
+  assert not centres(256, 96)  # head dim padded
+  assert not centres(256, 128, cfg=config.replace(smooth_k=False))
+  assert not centres(256, 128, cfg=PRESETS["sage2-8b"].differentiated(
+      jnp.bfloat16).replace(backward_stats="recompute"))
+
+
 def test_saves_lse2_only_for_its_own_smoothed_saved_statistics():
   """lse₂ is kept only where this backend's backward takes the saved
   statistics and the forward smoothed K by the k̄ the backward uses."""
@@ -1324,6 +1379,40 @@ def test_gpu_backward_split_last_round(shape, layout, monkeypatch):
          for name, g, w, u in zip(("dq", "dk", "dv"), got, want, unsplit)}
   assert all(c > 0.999 and c_unsplit > 0.99999
              for c, c_unsplit in cos.values()), cos
+  _check_grads(got, want, 0.999)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("layout,causal", [("BTNH", True), ("BNTH", False)])
+def test_gpu_backward_takes_the_k_pass_centred_k(layout, causal,
+                                                 monkeypatch):
+  """jax.grad through the Mosaic backend with K − k̄ from the forward's K
+  pass (the default where ``centres_k``) against exact gradients
+  (cos > 0.999) and against the backward making its own K − k̄ on the same
+  inputs (the same bf16 values: equal but for dQ's order of adds);
+  outputs poisoned before each run."""
+  q, k, v = _data(2, 512, 512, 8, 2, 128, layout=layout)
+  do = jax.random.normal(jax.random.PRNGKey(next(_seed)), q.shape, q.dtype)
+  call = _inputs.parse(q, k, v, layout=layout, is_causal=causal)
+  assert mosaic.BACKEND.centres_k(
+      call, PRESETS["sage2-8b"].differentiated(q.dtype))
+
+  def grads(impl):
+    _poison(16 * q.size * 4)
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+        sagejax.attention(q, k, v, layout=layout, is_causal=causal,
+                          implementation=impl).astype(jnp.float32)
+        * do.astype(jnp.float32)), (0, 1, 2)))(q, k, v)
+
+  want = grads("xla")
+  got = grads("mosaic")
+  monkeypatch.setattr(type(mosaic.BACKEND), "centres_k",
+                      lambda self, call, config: False)
+  own = grads("mosaic")
+  for name, g, o in zip(("dq", "dk", "dv"), got, own):
+    assert testing.error_metrics(g, o)["cos_sim"] > 0.999999, name
+  np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(own[2]))
   _check_grads(got, want, 0.999)
 
 

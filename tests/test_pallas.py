@@ -124,6 +124,37 @@ def test_token_statistics_match_quant(layout):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+def test_k_pass_writes_the_centred_k_the_backward_makes(layout):
+  """The K pass's K − k̄ (``centred=True``, what the Mosaic forward hands
+  its backward) equals the backward's own copy (``smoothed``) on valid
+  keys, bit for bit in bf16, and is 0 past the lengths; the K values and
+  scales are those of the pass without it."""
+  _, k, _ = _data(2, 8, 128, 2, 2, 64, kind="channel_bias", layout=layout,
+                  dtype=jnp.bfloat16)
+  t_ax = 1 if layout == "BTNH" else 2
+  lengths = jnp.array([128, 70], jnp.int32)
+  config = PRESETS["sage2-8b"].replace(block_k=32)
+  want, k_mean = pallas_triton.smoothed(k, lengths, layout, 64, 128)
+  run = lambda **kw: triton_quantize.quantize_qk(
+      k, lengths, k_mean, role="k", config=config, layout=layout,
+      interpret=True, **kw)
+  with_centred, alone = run(centred=True), run()
+  got = with_centred[5]
+  assert got.dtype == k.dtype and got.shape == k.shape and alone[5] is None
+  valid = (jnp.arange(128) < lengths[:, None])
+  valid = valid[:, :, None, None] if t_ax == 1 else valid[:, None, :, None]
+  np.testing.assert_array_equal(
+      np.asarray(jnp.where(valid, got, 0), np.float32),
+      np.asarray(jnp.where(valid, want, 0), np.float32))
+  assert not np.asarray(jnp.where(valid, 0, got), np.float32).any()
+  for a, b in zip(with_centred[:2], alone[:2]):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="centred"):
+    triton_quantize.quantize_qk(k, lengths, None, role="k", config=config,
+                                layout=layout, centred=True, interpret=True)
+
+
 @pytest.mark.parametrize("granularity,rows", [
     ("per_thread", 32), ("per_thread", 64), ("per_warp", 32),
     ("per_token", 32)])

@@ -23,7 +23,12 @@ the backend that ran the forward when it has one and it serves the call
 backward would rather have another row statistic than the LSE saved (the
 Mosaic one: lse₂, so that its backward need not read Q) declares
 ``saves_lse2(call, config)`` and ``forward_residual(call, config) ->
-(output, lse, lse₂)``; its own backward then gets ``saved_lse2=True``.
+(output, lse, lse₂)``; its own backward then gets ``saved_lse2=True``. One
+whose forward can also hand its backward K − k̄ (the Mosaic K pass writes
+it, so that the backward need not read K again) declares
+``centres_k(call, config)`` and takes ``forward_residual(call, config,
+centre_k=True) -> (output, lse, lse₂, (K − k̄, k̄))``; the residual K is then
+K − k̄, and its backward gets ``k_bar=k̄``.
 
 Choosing a backend (``implementation=None``) happens per platform at lowering
 time (:func:`plan`, :func:`sagejax._platforms.platform_dependent`), so that a

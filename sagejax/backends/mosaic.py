@@ -201,10 +201,12 @@ class _MosaicBackend:
     return None
 
   def prepare(self, call: ParsedCall, config: SageConfig,
-              tiling: Optional[MosaicTiling] = None) -> Prepared:
+              tiling: Optional[MosaicTiling] = None,
+              centre_k: bool = False) -> Prepared:
     """Quantizes K, V (and Q, unless the kernel does:
     :func:`quantize_q_in_kernel`) for the kernel (INT4 unpacked to INT8
-    values: Hopper has no 4-bit tensor cores)."""
+    values: Hopper has no 4-bit tensor cores); ``centre_k``: also K − k̄
+    (``Prepared.centred_k``, :meth:`centres_k`)."""
     _, _, _, h, _, _ = call.dims
     hp = max(64, next_pow2(h))
     tiling = tiling or default_tiling(hp, config, call)
@@ -216,7 +218,8 @@ class _MosaicBackend:
         s_multiple=s_multiple, v_transposed=fp8, v_wgmma_key_order=fp8,
         quantize_q=(not tiling.quantize_q
                     or quantize_q_in_kernel(call, config) is None),
-        v_in_place=v_read_in_place(call, config, hp, s_multiple))
+        v_in_place=v_read_in_place(call, config, hp, s_multiple),
+        centre_k=centre_k)
     if config.qk_dtype == "int4":
       qkv = prepared.qkv
       q = qkv.q if qkv.q is None else quant.unpack_int4(qkv.q)
@@ -270,17 +273,33 @@ class _MosaicBackend:
     return (config.saved_stats and config.smooth_k
             and self.backward_unsupported(call, config) is None)
 
-  def forward_residual(self, call: ParsedCall, config: SageConfig
-                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(output, LSE, lse₂): lse₂ f32 ``[B, N, T]`` is the base-2 LSE of the
-    logits of smoothed K (+inf for a row that sees no key, NaN kept), what
-    the backward's kernels take, so that the backward need not read Q for
-    it (NOTES B23)."""
-    out, lse, smoothed_lse = self.kernel(self.prepare(call, config), call,
-                                         config, smoothed_lse=True)
+  def centres_k(self, call: ParsedCall, config: SageConfig) -> bool:
+    """Whether the forward under ``jax.grad`` also hands the backward
+    K − k̄ (:meth:`forward_residual`'s ``centre_k``): with lse₂ saved
+    (:meth:`saves_lse2`) and K's shape unpadded by either pass (head dim a
+    power of two from 64, keys a multiple of both passes' tiles). The
+    K pass writes it where the backward's XLA copy would read K again."""
+    _, _, _, h, _, s = call.dims
+    hp = max(64, next_pow2(h))
+    s_multiple = max(config.block_k,
+                     default_tiling(hp, config, call).block_kv)
+    return (self.saves_lse2(call, config) and h == hp
+            and s % math.lcm(s_multiple, 2 * mosaic_backward.ROWS) == 0)
+
+  def forward_residual(self, call: ParsedCall, config: SageConfig,
+                       centre_k: bool = False):
+    """(output, LSE, lse₂[, (K − k̄, k̄)]): lse₂ f32 ``[B, N, T]`` is the
+    base-2 LSE of the logits of smoothed K (+inf for a row that sees no
+    key, NaN kept), what the backward's kernels take, so that the backward
+    need not read Q for it (NOTES B23); with ``centre_k`` (where
+    :meth:`centres_k`), K − k̄ in K's dtype and layout and k̄ f32
+    ``[B, K, H]``, for :meth:`backward`'s ``k_bar``."""
+    prepared = self.prepare(call, config, centre_k=centre_k)
+    out, lse, smoothed_lse = self.kernel(prepared, call, config,
+                                         smoothed_lse=True)
     lse2 = jnp.where(smoothed_lse == -jnp.inf, jnp.inf,
                      smoothed_lse * quant.LOG2E)
-    return out, lse, lse2
+    return (out, lse, lse2) + ((prepared.centred_k,) if centre_k else ())
 
   backward_tiling: Optional[MosaicBackwardTiling] = None
 
@@ -306,11 +325,12 @@ class _MosaicBackend:
                d_lse: Optional[jax.Array],
                saved: Optional[tuple[jax.Array, jax.Array]],
                tiling: Optional[MosaicBackwardTiling] = None,
-               saved_lse2: bool = False):
+               saved_lse2: bool = False, k_bar: Optional[jax.Array] = None):
     """Gradients of exact attention by the Mosaic backward kernels; see
     :class:`sagejax.backends.BackwardBackend`. ``saved_lse2``: ``saved``
     holds lse₂ of :meth:`forward_residual` in place of the LSE (where
-    :meth:`saves_lse2`)."""
+    :meth:`saves_lse2`). ``k_bar``: ``call.k`` is K − k̄ already and this
+    is k̄ (:meth:`forward_residual`'s ``centre_k``)."""
     b, n, t, h, kh, s = call.dims
     hp = max(64, next_pow2(h))
     out, lse = (None, None) if saved is None else saved
@@ -333,7 +353,13 @@ class _MosaicBackend:
     # same gradient: a sampled one, no pass over K). V smoothed when the dQ
     # kernel makes the statistics: dP − δ is unchanged, but its sums do not
     # cancel a large V mean.
-    kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
+    if k_bar is not None:  # the forward's K pass made K − k̄
+      if not saved_lse2:
+        raise ValueError("k_bar (K centred by the forward) goes with "
+                         "saved_lse2.")
+      kc, k_mean = pad_axis(pad_axis(call.k, 3, hp), t_ax, s_pad), k_bar
+    else:
+      kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
     pad = lambda x, size=t_pad: pad_axis(pad_axis(x, 3, hp), t_ax, size)
     if out is None:
       vc, _ = smoothed(call.v, kv_lengths, layout, hp, s_pad)

@@ -126,6 +126,8 @@ class Prepared:
   ``qkv.lse_shift`` are then None and ``k_mean`` (f32 ``[B, K, H]``, or None
   without K smoothing) is what the kernel's LSE shift needs. ``v_layout``:
   ``qkv.v``'s layout when 16-bit (``"BTNH"``: the caller's V, read in place).
+  ``centred_k``: (K − k̄ in the call's layout, padded as the K pass read it;
+  k̄ f32 ``[B, K, H]``) where :func:`quantize_inputs` was asked for them.
   """
   qkv: quant.QuantizedQKV
   q_lengths: jax.Array
@@ -136,6 +138,7 @@ class Prepared:
   k_mean: Optional[jax.Array] = None
   v_layout: str = dataclasses.field(default="BNTH",
                                     metadata=dict(static=True))
+  centred_k: Optional[tuple[jax.Array, jax.Array]] = None
 
 
 def v_read_in_place(call: ParsedCall, config: SageConfig, head_dim: int,
@@ -156,6 +159,7 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                     t_multiple: int, s_multiple: int, v_transposed: bool,
                     v_store_dtype=None, v_wgmma_key_order: bool = False,
                     quantize_q: bool = True, v_in_place: bool = False,
+                    centre_k: bool = False,
                     interpret: bool = False) -> Prepared:
   """Smooths and quantizes Q, K, V with the Pallas (Triton) kernels.
 
@@ -169,7 +173,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   ``quantize_q=False`` leaves Q to the attention kernel (``Prepared.q_raw``).
   ``v_in_place``: V as given (the call's layout: ``Prepared.v_layout``)
   instead of a copy, one read of V finding its non-finite channels; only
-  where :func:`v_read_in_place` allows.
+  where :func:`v_read_in_place` allows. ``centre_k``: the K pass also
+  writes K − k̄ (``Prepared.centred_k``; K smoothing only), what the
+  backward multiplies.
   """
   b, n, t, h, kh, s = call.dims
   layout = call.layout
@@ -198,9 +204,11 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
     raise ValueError("v_in_place needs a 16-bit P·V in V's own dtype, "
                      "unpadded, unsmoothed, untransposed V and no "
                      "key_value_seq_lengths; pass v_in_place=False.")
-  k_vals, k_scale, _, _, v_amax = triton_quantize.quantize_qk(
+  if centre_k and k_mean is None:
+    raise ValueError("centre_k needs K smoothing (SageConfig.smooth_k).")
+  k_vals, k_scale, _, _, v_amax, k_centred = triton_quantize.quantize_qk(
       k, kv_lengths, k_mean, role="k", config=config, layout=layout,
-      v=v if v_in_place else None, interpret=interpret)
+      v=v if v_in_place else None, centred=centre_k, interpret=interpret)
   if config.smooth_v or fp8:
     _, v_mean, v_amax = triton_quantize.token_statistics(
         k, v, kv_lengths, layout=layout, k_mean=False,
@@ -219,7 +227,7 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   # The Q kernel also makes the LSE shift q·k̄ (no second read of Q).
   q_vals = q_scale = q_bmean = lse_shift = None
   if quantize_q:
-    q_vals, q_scale, q_bmean, lse_shift, _ = triton_quantize.quantize_qk(
+    q_vals, q_scale, q_bmean, lse_shift, _, _ = triton_quantize.quantize_qk(
         q, q_lengths, None, role="q", config=config, layout=layout,
         scale_mult=call.sm_scale * quant.LOG2E, k_mean=k_mean,
         shift_mult=call.sm_scale, interpret=interpret)
@@ -252,7 +260,8 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                   bias=_pairwise(call.bias, t_pad, s_pad, None),
                   q_raw=None if quantize_q else q,
                   k_mean=None if quantize_q else k_mean,
-                  v_layout=layout if v_in_place else "BNTH")
+                  v_layout=layout if v_in_place else "BNTH",
+                  centred_k=(k_centred, k_mean) if centre_k else None)
 
 
 class _PallasTritonBackend:

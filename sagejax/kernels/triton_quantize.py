@@ -93,7 +93,8 @@ def _block_abs_max(v: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
-                        scale_ref, bmean_ref, shift_ref, v_amax_ref, *,
+                        scale_ref, bmean_ref, shift_ref, v_amax_ref,
+                        centred_ref, *,
                         block: int, chunks: int, config: SageConfig,
                         group_config: SageConfig, role: str,
                         scale_mult: float, shift_mult: float,
@@ -117,6 +118,8 @@ def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
       bmean_ref[pl.ds(c * hc, hc)] = m
       x = x - m[None, :]
     xs.append(jnp.where(valid, x, 0.0))
+    if centred_ref is not None:  # K − k̄ for the backward (rows past: 0)
+      centred_ref[:, pl.ds(c * hc, hc)] = xs[-1].astype(centred_ref.dtype)
   row_amax = quant.row_amax(xs[0])  # +inf for a row holding a NaN or Inf
   for x in xs[1:]:
     row_amax = jnp.maximum(row_amax, quant.row_amax(x))
@@ -142,7 +145,7 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                 scale_mult: float = 1.0, k_mean: Optional[jax.Array] = None,
                 shift_mult: float = 1.0, v: Optional[jax.Array] = None,
                 rows: Optional[int] = None, num_warps: Optional[int] = None,
-                interpret: bool = False):
+                centred: bool = False, interpret: bool = False):
   """Quantizes Q or K, one block of tokens of one head per program.
 
   Args:
@@ -164,12 +167,15 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
       :func:`q_program_rows` dividing ``block_q`` (default: ``block_q``, or
       fewer above 128 × 128 values).
     num_warps: warps a program runs (default by its tile's size).
+    centred: K only, with ``mean``: also write ``x − mean`` in ``x``'s
+      dtype, shape and layout (rows past ``lengths`` 0), what the backward
+      multiplies, so that it need not read K again.
 
   Returns:
     (values int8 ``[B, N, T, H]`` or INT4-packed ``[B, N, T, H/2]``, scales
     f32 ``[B, N, T]``, Q block means f32 ``[B, N, T/block_q, H]`` or None,
     row shifts f32 ``[B, N, T]`` or None, V's max |V| f32 ``[B, N, H]`` or
-    None).
+    None, ``x − mean`` or None).
   """
   if layout == "BTNH":
     b, t, n, h = x.shape
@@ -187,6 +193,8 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
     raise ValueError("k_mean (the LSE shift) is for role='q' only.")
   if v is not None and (role != "k" or v.shape != x.shape):
     raise ValueError("v (its max |V|) goes with role='k' and K's shape.")
+  if centred and (role != "k" or mean is None):
+    raise ValueError("centred (K − mean) goes with role='k' and a mean.")
   g = None if k_mean is None else n // k_mean.shape[1]
   kernel = functools.partial(
       _quantize_qk_kernel, block=block, chunks=chunks, config=config,
@@ -216,6 +224,9 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                    jax.ShapeDtypeStruct((b, n, nb, h), jnp.float32))
   out_specs.append(None if v is None else pl.BlockSpec(
       (None, None, None, h), lambda i, bb, nn: (bb, nn, i, 0)))
+  out_shape.append(jax.ShapeDtypeStruct(x.shape, x.dtype) if centred
+                   else None)
+  out_specs.append(_token_spec(layout, block, h) if centred else None)
   in_specs = [
       _token_spec(layout, block, h),
       pl.BlockSpec((None,), lambda i, bb, nn: (bb,)),
@@ -225,7 +236,7 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
           (None, None, h), lambda i, bb, nn: (bb, nn // g, 0)),
       None if v is None else _token_spec(layout, block, h),
   ]
-  values, scales, means, shifts, v_amax = pl.pallas_call(
+  values, scales, means, shifts, v_amax, centred_x = pl.pallas_call(
       kernel, grid=(nb, b, n), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=interpret,
       compiler_params=plgpu.CompilerParams(
@@ -234,7 +245,7 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
   )(x, lengths, mean, k_mean, v)
   if v_amax is not None:
     v_amax = jnp.max(v_amax, axis=2)
-  return values, scales, means, shifts, v_amax
+  return values, scales, means, shifts, v_amax, centred_x
 
 
 def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref,
