@@ -34,7 +34,6 @@ import numpy as np
 import sagejax
 from sagejax import testing
 from sagejax.bench import device_time
-from sagejax.bench.device_time import gpu_events
 
 
 def step_fn(kind: str, causal: bool):
@@ -62,7 +61,7 @@ def kernel_times(trace_dir: str, calls: int
   kernel launched k times per call is split into its k launches, #1..#k),
   and the µs from the first event's start to the last one's end (the
   kernels' sum and this span differ by the device's idle gaps)."""
-  events = gpu_events(trace_dir)
+  events = device_time.gpu_events(trace_dir)
   runs: dict[str, list] = collections.defaultdict(list)  # (ts, dur)
   for name, ts, dur in events:
     runs[name].append((ts, dur))
