@@ -266,23 +266,24 @@ def test_snake_schedule_takes_every_tile_once_and_evens_out_causal_work(
   group = mosaic_attention.RANK_GROUP
   num_tiles = b * n * num_q_tiles
   num_ctas = min(num_ctas, num_tiles)
-  seen, work = [], []
-  for cta in range(num_ctas):
-    count = int(mosaic_attention.persistent_tiles(cta, num_tiles, num_ctas,
-                                                  snake=True))
-    blocks = 0
-    for i in range(count):
-      index = int(mosaic_attention.persistent_index(cta, i, num_ctas,
-                                                    snake=True))
-      head, rank, batch = (int(x) for x in mosaic_attention.ranked_tile(
-          index, n, b, num_q_tiles))
-      assert rank // group == index // (group * n * b)
-      seen.append((batch, head, rank))
-      blocks += num_q_tiles - rank
-    work.append(blocks)
-  assert sorted(seen) == [(bb, hh, tt) for bb in range(b) for hh in range(n)
-                          for tt in range(num_q_tiles)]
-  assert max(work) - min(work) <= num_q_tiles, (min(work), max(work))
+  # Every CTA's i-th tile at once (the functions are elementwise jnp).
+  cta = jnp.arange(num_ctas, dtype=jnp.int32)
+  counts = np.asarray(mosaic_attention.persistent_tiles(
+      cta, num_tiles, num_ctas, snake=True))
+  i = jnp.arange(int(counts.max()), dtype=jnp.int32)
+  index = mosaic_attention.persistent_index(cta[:, None], i[None, :],
+                                            num_ctas, snake=True)
+  head, rank, batch = (np.asarray(x) for x in mosaic_attention.ranked_tile(
+      index, n, b, num_q_tiles))
+  index = np.asarray(index)
+  taken = np.arange(index.shape[1])[None, :] < counts[:, None]
+  assert np.all((rank // group == index // (group * n * b))[taken])
+  seen = sorted(zip(batch[taken].tolist(), head[taken].tolist(),
+                    rank[taken].tolist()))
+  assert seen == [(bb, hh, tt) for bb in range(b) for hh in range(n)
+                  for tt in range(num_q_tiles)]
+  work = np.where(taken, num_q_tiles - rank, 0).sum(axis=1)
+  assert work.max() - work.min() <= num_q_tiles, (work.min(), work.max())
 
 
 @pytest.mark.parametrize("layout,lengths,dtype,want", [
