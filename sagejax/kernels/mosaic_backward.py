@@ -245,6 +245,15 @@ def _zeros(*shape: int, layout=plgpu.Layout.WGMMA) -> jax.Array:
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
 
 
+def _store_through(smem, value: jax.Array, dst) -> None:
+  """Stores ``value`` (registers) to the rows ``dst`` of an output through
+  ``smem`` (in its dtype) by TMA, and waits until ``smem`` has been read."""
+  smem[...] = value.astype(smem.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, dst)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _fence_async_shared() -> None:
   """This thread's shared-memory writes made visible to the async proxy
   (TMA, wgmma): ``commit_smem`` without its warpgroup barrier, for threads
@@ -856,11 +865,9 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
 
       acc = lax.fori_loop(0, g, head, _zeros(ROWS, h))
       # Each consumer alone read its own K or V rows: store through them.
-      own_smem[...] = (acc * (1.0 if c_ == 0 else sm_scale)).astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(own_smem, tile_rows(
-          (dv_ref, dk_ref)[c_], layout, batch, kv_head, k0, ROWS))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      _store_through(own_smem, acc * (1.0 if c_ == 0 else sm_scale),
+                     tile_rows((dv_ref, dk_ref)[c_], layout, batch, kv_head,
+                               k0, ROWS))
 
     for c_ in range(2):
       pl.when(wg == c_)(functools.partial(consumer, c_))
@@ -981,12 +988,9 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
                                       (ROWS, h), [0])
                  * lax.broadcast_in_dim(load_all(km_smem, col_layout),
                                         (ROWS, h), [1]))
-      out = rows_smem.at[1]  # dO: this consumer alone read it
-      out[...] = (dq * sm_scale).astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          out, tile_rows(dq_ref, layout, batch, head, row0, ROWS))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      # Through dO's rows: this consumer alone read them.
+      _store_through(rows_smem.at[1], dq * sm_scale,
+                     tile_rows(dq_ref, layout, batch, head, row0, ROWS))
 
     for c_ in range(2):
       pl.when(wg == c_)(functools.partial(consumer, c_))
