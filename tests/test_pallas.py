@@ -125,6 +125,39 @@ def test_token_statistics_match_quant(layout):
 
 
 @pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+def test_passes_in_one_launch_equal_the_passes_alone(layout):
+  """``run_passes`` (the K pass with K − k̄, V's statistics and the Q pass
+  with its LSE shift, one interpreted launch of differently shaped grids:
+  GQA, T ≠ S, Q rows 64, K and statistics blocks of 32) gives each pass's
+  results bit for bit, NaN and Inf tokens and lengths included."""
+  config = PRESETS["sage2-8b"].replace(block_q=64, block_k=32)
+  q, k, v = _data(2, 128, 96, 4, 2, 64, kind="channel_bias", layout=layout)
+  t_ax = 1 if layout == "BTNH" else 2
+  k = k.at[(0, 5, 1) if t_ax == 1 else (0, 1, 5)].set(jnp.inf)
+  v = v.at[(1, 7, 0) if t_ax == 1 else (1, 0, 7)].set(jnp.nan)
+  q_len, kv_len = jnp.array([128, 70], jnp.int32), jnp.array([96, 40],
+                                                               jnp.int32)
+  k_mean = quant.sampled_mean(k, kv_len, token_axis=t_ax)
+  kw = dict(config=config, layout=layout, interpret=True)
+  passes = [
+      triton_quantize.quantize_qk_pass(k, kv_len, k_mean, role="k",
+                                       centred=True, **kw),
+      triton_quantize.token_statistics_pass(
+          k, v, kv_len, layout=layout, block=32, k_mean=False, v_mean=True,
+          v_amax=True),
+      triton_quantize.quantize_qk_pass(q, q_len, None, role="q",
+                                       scale_mult=0.3, k_mean=k_mean,
+                                       shift_mult=0.125, **kw)]
+  together = triton_quantize.run_passes(passes, interpret=True)
+  alone = [triton_quantize.run_pass(p, interpret=True) for p in passes]
+  assert together[1][1] is not None and together[2][3] is not None
+  for got, want in zip(jax.tree.leaves(together), jax.tree.leaves(alone)):
+    np.testing.assert_array_equal(got, want)
+  assert len(jax.tree.leaves(together)) == 8  # K 3, statistics 2, Q 3
+  assert np.isinf(together[1][2][1, 0]).any()
+
+
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
 def test_k_pass_writes_the_centred_k_the_backward_makes(layout):
   """The K pass's K − k̄ (``centred=True``, what the Mosaic forward hands
   its backward) equals the backward's own copy (``smoothed``) on valid

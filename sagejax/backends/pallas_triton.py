@@ -206,14 +206,27 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                      "key_value_seq_lengths; pass v_in_place=False.")
   if centre_k and k_mean is None:
     raise ValueError("centre_k needs K smoothing (SageConfig.smooth_k).")
-  k_vals, k_scale, _, _, v_amax, k_centred = triton_quantize.quantize_qk(
+  # The K pass, the Q pass and V's statistics need only k̄: one launch
+  # (triton_quantize.run_passes; NOTES Mosaic section 27), V's statistics
+  # last, so that V's pass after it finds a short sequence's V in L2.
+  passes = [triton_quantize.quantize_qk_pass(
       k, kv_lengths, k_mean, role="k", config=config, layout=layout,
-      v=v if v_in_place else None, centred=centre_k, interpret=interpret)
-  if config.smooth_v or fp8:
-    _, v_mean, v_amax = triton_quantize.token_statistics(
+      v=v if v_in_place else None, centred=centre_k, interpret=interpret)]
+  # The Q pass also makes the LSE shift q·k̄ (no second read of Q).
+  if quantize_q:
+    passes.append(triton_quantize.quantize_qk_pass(
+        q, q_lengths, None, role="q", config=config, layout=layout,
+        scale_mult=call.sm_scale * quant.LOG2E, k_mean=k_mean,
+        shift_mult=call.sm_scale, interpret=interpret))
+  statistics = config.smooth_v or fp8
+  if statistics:
+    passes.append(triton_quantize.token_statistics_pass(
         k, v, kv_lengths, layout=layout, k_mean=False,
-        v_mean=config.smooth_v, v_amax=fp8 and not config.smooth_v,
-        interpret=interpret)
+        v_mean=config.smooth_v, v_amax=fp8 and not config.smooth_v))
+  results = triton_quantize.run_passes(passes, interpret)
+  k_vals, k_scale, _, _, v_amax, k_centred = results[0]
+  if statistics:
+    _, v_mean, v_amax = results[-1]
   if fp8:
     if v_amax is None:
       centred = to_canonical(v, layout).astype(jnp.float32)
@@ -224,13 +237,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   else:  # ones, NaN for a non-finite channel (from the V kernel below)
     v_scale = jnp.ones((b, kh, head_dim), jnp.float32)
 
-  # The Q kernel also makes the LSE shift q·k̄ (no second read of Q).
   q_vals = q_scale = q_bmean = lse_shift = None
   if quantize_q:
-    q_vals, q_scale, q_bmean, lse_shift, _, _ = triton_quantize.quantize_qk(
-        q, q_lengths, None, role="q", config=config, layout=layout,
-        scale_mult=call.sm_scale * quant.LOG2E, k_mean=k_mean,
-        shift_mult=call.sm_scale, interpret=interpret)
+    q_vals, q_scale, q_bmean, lse_shift, _, _ = results[1]
   if v_in_place:  # V as given; +inf max |V| marks a non-finite channel
     v_vals = v
     v_scale = jnp.where(v_amax < jnp.inf, v_scale, jnp.nan)

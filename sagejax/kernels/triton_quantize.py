@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,96 @@ from jax.experimental.pallas import triton as plgpu
 from sagejax import quant
 from sagejax.config import SageConfig
 from sagejax.kernels._common import round_half_even
+
+
+class Pass(NamedTuple):
+  """One quantization pass, not yet launched: ``kernel(*in_refs, *out_refs,
+  i=token block)`` over ``grid = (token blocks, B, heads)``, with its
+  BlockSpecs (index maps of ``(i, b, n)``), and ``finish`` turning its raw
+  outputs into the caller's results (XLA reductions of partials). Run alone
+  (:func:`run_pass`) or several in one launch (:func:`run_passes`)."""
+  kernel: Callable[..., None]
+  grid: tuple[int, int, int]
+  args: tuple
+  in_specs: list
+  out_shape: list
+  out_specs: list
+  num_warps: int
+  name: str
+  finish: Callable[[list], Any]
+
+
+def run_pass(p: Pass, interpret: bool = False):
+  """``p`` as its own ``pallas_call``; its ``finish``-ed results."""
+  outs = pl.pallas_call(
+      p.kernel, grid=p.grid, in_specs=p.in_specs, out_specs=p.out_specs,
+      out_shape=p.out_shape, interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=p.num_warps,
+                                           num_stages=1),
+      name=p.name)(*p.args)
+  return p.finish(list(outs))
+
+
+def run_passes(passes: Sequence[Pass], interpret: bool = False) -> list:
+  """Independent passes in **one** launch: a flat grid whose programs
+  ``[o_p, o_p + |grid_p|)`` run pass ``p``'s kernel on the block its own
+  grid would give them, in its order (token blocks fastest). Each pass's
+  BlockSpecs see their own program indices, clamped into range for the
+  other passes' programs, which never touch those blocks (Triton loads and
+  stores where the kernel reads and writes; the interpreter stores back
+  what it loaded). Saves the launches and the ramps between them (the
+  forward end to end 3-4% faster at 1k, 2.7% at 4k on an H100;
+  benchmarks/NOTES.md, Mosaic section 27). Returns each pass's results,
+  in order."""
+  if len(passes) == 1:
+    return [run_pass(passes[0], interpret)]
+  sizes = [math.prod(p.grid) for p in passes]
+  starts = [sum(sizes[:j]) for j in range(len(passes))]
+
+  def local(pid, j):
+    """Pass ``j``'s grid indices (i, b, n) of flat program ``pid``."""
+    nb, nbatch, _ = passes[j].grid
+    x = jnp.clip(pid - starts[j], 0, sizes[j] - 1)
+    return x % nb, (x // nb) % nbatch, x // (nb * nbatch)
+
+  def rebase(spec, j):
+    if spec is None:
+      return None
+    return pl.BlockSpec(spec.block_shape,
+                        lambda pid: spec.index_map(*local(pid, j)))
+
+  in_specs, out_specs, out_shape, args, counts = [], [], [], [], []
+  for j, p in enumerate(passes):
+    in_specs += [rebase(x, j) for x in p.in_specs]
+    out_specs += [rebase(x, j) for x in p.out_specs]
+    out_shape += list(p.out_shape)
+    args += list(p.args)
+    counts.append((len(p.in_specs), len(p.out_specs)))
+
+  def kernel(*refs):
+    pid = pl.program_id(0)
+    ins, outs = refs[:len(in_specs)], refs[len(in_specs):]
+    a = b = 0
+    for j, p in enumerate(passes):
+      n_in, n_out = counts[j]
+      mine = ins[a:a + n_in] + outs[b:b + n_out]
+      a, b = a + n_in, b + n_out
+      i = local(pid, j)[0]
+      pl.when((pid >= starts[j]) & (pid < starts[j] + sizes[j]))(
+          functools.partial(p.kernel, *mine, i=i))
+
+  outs = pl.pallas_call(
+      kernel, grid=(sum(sizes),), in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=interpret,
+      compiler_params=plgpu.CompilerParams(
+          num_warps=max(p.num_warps for p in passes), num_stages=1),
+      name="_".join(p.name for p in passes))(*args)
+  outs, results = list(outs), []
+  for j, p in enumerate(passes):
+    n_out = counts[j][1]
+    results.append(p.finish(outs[:n_out]))
+    outs = outs[n_out:]
+  return results
 
 
 def _token_spec(layout: str, block: int, h: int, head_of=lambda n: n):
@@ -98,8 +188,8 @@ def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
                         block: int, chunks: int, config: SageConfig,
                         group_config: SageConfig, role: str,
                         scale_mult: float, shift_mult: float,
-                        interpret: bool):
-  i = pl.program_id(0)
+                        interpret: bool, i=None):
+  i = pl.program_id(0) if i is None else i
   length = len_ref[...]
   valid = ((i * block + jnp.arange(block)) < length)[:, None]
   hc = x_ref.shape[-1] // chunks
@@ -146,7 +236,25 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                 shift_mult: float = 1.0, v: Optional[jax.Array] = None,
                 rows: Optional[int] = None, num_warps: Optional[int] = None,
                 centred: bool = False, interpret: bool = False):
-  """Quantizes Q or K, one block of tokens of one head per program.
+  """Quantizes Q or K, one block of tokens of one head per program: the
+  launch of :func:`quantize_qk_pass` (same arguments and results)."""
+  return run_pass(quantize_qk_pass(
+      x, lengths, mean, role=role, config=config, layout=layout,
+      scale_mult=scale_mult, k_mean=k_mean, shift_mult=shift_mult, v=v,
+      rows=rows, num_warps=num_warps, centred=centred, interpret=interpret),
+      interpret)
+
+
+def quantize_qk_pass(x: jax.Array, lengths: jax.Array,
+                     mean: Optional[jax.Array], *, role: str,
+                     config: SageConfig, layout: str, scale_mult: float = 1.0,
+                     k_mean: Optional[jax.Array] = None,
+                     shift_mult: float = 1.0, v: Optional[jax.Array] = None,
+                     rows: Optional[int] = None,
+                     num_warps: Optional[int] = None, centred: bool = False,
+                     interpret: bool = False) -> Pass:
+  """The pass that quantizes Q or K, one block of tokens of one head per
+  program (:class:`Pass`; run by :func:`run_pass` or :func:`run_passes`).
 
   Args:
     x: ``[B, T, N, H]`` (``layout="BTNH"``) or ``[B, N, T, H]``; T a multiple
@@ -236,16 +344,18 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
           (None, None, h), lambda i, bb, nn: (bb, nn // g, 0)),
       None if v is None else _token_spec(layout, block, h),
   ]
-  values, scales, means, shifts, v_amax, centred_x = pl.pallas_call(
-      kernel, grid=(nb, b, n), in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=interpret,
-      compiler_params=plgpu.CompilerParams(
-          num_warps=num_warps or _warps(block, h), num_stages=1),
-      name=f"sage_quantize_{role}",
-  )(x, lengths, mean, k_mean, v)
-  if v_amax is not None:
-    v_amax = jnp.max(v_amax, axis=2)
-  return values, scales, means, shifts, v_amax, centred_x
+
+  def finish(outs):
+    values, scales, means, shifts, v_amax, centred_x = outs
+    if v_amax is not None:
+      v_amax = jnp.max(v_amax, axis=2)
+    return values, scales, means, shifts, v_amax, centred_x
+
+  return Pass(kernel=kernel, grid=(nb, b, n),
+              args=(x, lengths, mean, k_mean, v), in_specs=in_specs,
+              out_shape=out_shape, out_specs=out_specs,
+              num_warps=num_warps or _warps(block, h),
+              name=f"sage_quantize_{role}", finish=finish)
 
 
 def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref,
@@ -335,8 +445,8 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
 
 
 def _token_statistics_kernel(k_ref, v_ref, len_ref, k_sum_ref, v_sum_ref,
-                             v_amax_ref, *, block: int):
-  i = pl.program_id(0)
+                             v_amax_ref, *, block: int, i=None):
+  i = pl.program_id(0) if i is None else i
   valid = ((i * block + jnp.arange(block)) < len_ref[...])[:, None]
   if k_sum_ref is not None:
     k = quant.finite_part(k_ref[...].astype(jnp.float32))
@@ -354,7 +464,19 @@ def token_statistics(k: jax.Array, v: Optional[jax.Array],
                      lengths: jax.Array, *, layout: str,
                      block: Optional[int] = None, k_mean: bool = True, v_mean: bool = False,
                      v_amax: bool = False, interpret: bool = False):
-  """K's and V's reductions over all valid tokens in one pass, read in place.
+  """K's and V's reductions over all valid tokens: the launch of
+  :func:`token_statistics_pass` (same arguments and results)."""
+  return run_pass(token_statistics_pass(
+      k, v, lengths, layout=layout, block=block, k_mean=k_mean,
+      v_mean=v_mean, v_amax=v_amax), interpret)
+
+
+def token_statistics_pass(k: jax.Array, v: Optional[jax.Array],
+                          lengths: jax.Array, *, layout: str,
+                          block: Optional[int] = None, k_mean: bool = True,
+                          v_mean: bool = False, v_amax: bool = False) -> Pass:
+  """K's and V's reductions over all valid tokens in one pass, read in place
+  (:class:`Pass`).
 
   A program reads one block of tokens of one KV head of K and V and writes
   its partial sums / maxima; XLA reduces the ``S / block`` partials. What
@@ -387,18 +509,19 @@ def token_statistics(k: jax.Array, v: Optional[jax.Array],
   spec = pl.BlockSpec((None, None, None, h), lambda i, bb, nn: (bb, nn, i, 0))
   wanted = (k_mean, v_mean and v is not None, v_amax and v is not None)
   kernel = functools.partial(_token_statistics_kernel, block=block)
-  k_sum, v_sum, amax = pl.pallas_call(
-      kernel, grid=(nb, b, kh),
-      in_specs=[_token_spec(layout, block, h),
-                None if v is None else _token_spec(layout, block, h),
-                pl.BlockSpec((None,), lambda i, bb, nn: (bb,))],
-      out_specs=[spec if w else None for w in wanted],
-      out_shape=[partial if w else None for w in wanted],
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-      name="sage_token_statistics",
-  )(k, v, lengths)
-  count = jnp.clip(lengths, 1, s).astype(jnp.float32)[:, None, None]
-  return (None if k_sum is None else jnp.sum(k_sum, axis=2) / count,
-          None if v_sum is None else jnp.sum(v_sum, axis=2) / count,
-          None if amax is None else jnp.max(amax, axis=2))
+
+  def finish(outs):
+    k_sum, v_sum, amax = outs
+    count = jnp.clip(lengths, 1, s).astype(jnp.float32)[:, None, None]
+    return (None if k_sum is None else jnp.sum(k_sum, axis=2) / count,
+            None if v_sum is None else jnp.sum(v_sum, axis=2) / count,
+            None if amax is None else jnp.max(amax, axis=2))
+
+  # K's blocks are read only for its mean: without it, V's blocks alone.
+  return Pass(kernel=kernel, grid=(nb, b, kh), args=(k, v, lengths),
+              in_specs=[_token_spec(layout, block, h),
+                        None if v is None else _token_spec(layout, block, h),
+                        pl.BlockSpec((None,), lambda i, bb, nn: (bb,))],
+              out_shape=[partial if w else None for w in wanted],
+              out_specs=[spec if w else None for w in wanted], num_warps=4,
+              name="sage_token_statistics", finish=finish)
