@@ -481,8 +481,11 @@ def test_gpu_mosaic_matches_xla_and_exact(preset, shape, kwargs, kind):
   mosaic_exact = testing.error_metrics(got, exact)["rel_l2"]
   # The kernel's 128-key tiles round P̃ against a running max taken over 128
   # keys (the oracle's config blocks: 64): close to, not equal to, "xla"
-  # (measured on an H200: 0.07-0.30 of the error vs exact; 0.44 for T=1).
-  assert vs_xla < 0.5 * vs_exact + 2e-3, (vs_xla, vs_exact)
+  # (measured on an H200: 0.07-0.30 of the error vs exact). A single query
+  # row is too few numbers for that ratio: over 40 seeds at T=1 (H100) its
+  # median was 0.47 and its maximum 1.10, so there the bound is 1.5.
+  ratio = 0.5 if t >= 16 else 1.5
+  assert vs_xla < ratio * vs_exact + 2e-3, (vs_xla, vs_exact)
   assert mosaic_exact < 1.2 * vs_exact + 2e-3, (mosaic_exact, vs_exact)
   fin = np.isfinite(np.asarray(want_lse))
   np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), fin)
