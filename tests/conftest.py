@@ -2,8 +2,9 @@
 
 On a CPU-only run (``JAX_PLATFORMS=cpu``, as CI sets it) XLA compiles
 without LLVM's optimizations: the suite's time is mostly compiling small
-programs once (18.8 → 11.7 minutes at ``-n 2``). Results can differ from an
-optimized build in the last bits (no contracted multiply-adds; e.g. a
+programs once (18.8 → 11.7-14.0 minutes at ``-n 2``; level 1: 15.4, its
+large accuracy checks faster but its compiles slower). Results can differ
+from an optimized build in the last bits (no contracted multiply-adds; e.g. a
 cosine 0.99938273707 vs ...06), far inside every tolerance.
 """
 
