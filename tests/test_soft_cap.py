@@ -20,11 +20,12 @@ import sagejax
 import sagejax.nn as snn
 import sagejax.nnx as snnx
 from sagejax import PRESETS, SageConfig, _inputs
-from sagejax.backends import pallas_triton, xla
+from sagejax.backends import mosaic, pallas_triton, xla
 from sagejax.kernels import triton_attention
 from sagejax.testing import error_metrics
 
 ON_GPU = jax.default_backend() == "gpu"
+ON_HOPPER = ON_GPU and mosaic.is_hopper()
 CAP = 3.0
 TILING = triton_attention.KernelTiling(block_q=32, block_k=32, num_warps=4,
                                        num_stages=1)
@@ -137,16 +138,45 @@ def test_gradients_are_exact_with_cap(qkv, next_key):
     assert error_metrics(g, r)["rel_l2"] < 1e-5
 
 
-def test_lowers_for_cuda_with_cap(qkv):
+@pytest.mark.parametrize("backend,kernel", [
+    ("pallas", "sage_attention_fwd"), ("mosaic", "mosaic_gpu")])
+def test_lowers_for_cuda_with_cap(qkv, backend, kernel):
   q, k, v = qkv(1, 100, 130, 4, 2, 128, dtype=jnp.bfloat16)
+  impl = {"pallas": pallas_triton.BACKEND, "mosaic": mosaic.BACKEND}[backend]
 
   def f(q, k, v):
     call = _inputs.parse(q, k, v, is_causal=True, logits_soft_cap=50.0)
-    return pallas_triton.BACKEND.forward(call, PRESETS["sage2-8b"])
+    assert impl.unsupported(call, PRESETS["sage2-8b"]) is None
+    return impl.forward(call, PRESETS["sage2-8b"])
 
   text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)
                                          ).as_text()
-  assert "sage_attention_fwd" in text
+  assert kernel in text
+
+
+@pytest.mark.parametrize("layout,h", [("BTNH", 128), ("BNTH", 64)])
+def test_mosaic_training_forward_takes_the_cap(qkv, layout, h):
+  """Under jax.grad a capped call can run the Mosaic training forward (16-bit
+  P·V, one Mosaic kernel, the LSE of the capped logits kept) and then the
+  exact "xla" backward: the Hopper backward refuses the cap, and so does
+  every other kernel backward."""
+  q, k, v = qkv(2, 100, 130, 4, 2, h, dtype=jnp.bfloat16, layout=layout)
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  kwargs = dict(layout=layout, is_causal=True, logits_soft_cap=30.0)
+  call = _inputs.parse(q, k, v, **kwargs)
+  reason = mosaic.BACKEND.backward_unsupported(call, config)
+  assert "soft cap" in reason and "'xla'" in reason
+  assert pallas_triton.BACKEND.backward_unsupported(call, config)
+  assert not mosaic.BACKEND.saves_lse2(call, config)
+
+  def f(q, k, v):
+    return mosaic.BACKEND.forward_residual(_inputs.parse(q, k, v, **kwargs),
+                                           config)
+
+  traced = jax.jit(f).trace(q, k, v)
+  assert [x.shape for x in traced.out_info][1:] == [(2, 4, 100)] * 2
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu_v2") == 1
 
 
 def test_flax_modules_take_the_cap(next_key):
@@ -180,16 +210,26 @@ def test_flax_modules_take_the_cap(next_key):
     fn(q, q, q, dropout_rate=0.1, dropout_rng=next_key())
 
 
+def _poison(nbytes: int) -> None:
+  """Fill then free device memory: an output element never written by a
+  kernel then reads as NaN."""
+  jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32).block_until_ready()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("preset", ["sage1", "sage2-8b", "sage2-4b"])
-def test_gpu_soft_cap_matches_xla_and_exact(preset, qkv, next_key):
+@pytest.mark.parametrize("impl", ["pallas", "mosaic"])
+def test_gpu_soft_cap_matches_xla_and_exact(preset, impl, qkv, next_key):
+  if impl == "mosaic" and not ON_HOPPER:
+    pytest.skip("the Mosaic kernel needs an sm90 GPU")
   q, k, v = qkv(2, 1000, 1200, 8, 2, 128, kind="qkv_channel_bias",
                 dtype=jnp.bfloat16)
   run = jax.jit(lambda q, k, v, impl: sagejax.attention(
       q, k, v, is_causal=True, config=preset, implementation=impl,
       logits_soft_cap=CAP, return_lse=True), static_argnums=3)
-  got, got_lse = run(q, k, v, "pallas")
+  _poison(8 * q.size * 4)
+  got, got_lse = run(q, k, v, impl)
   want, want_lse = run(q, k, v, "xla")
   exact = sagejax.exact_attention(q, k, v, is_causal=True,
                                   logits_soft_cap=CAP)
@@ -197,3 +237,87 @@ def test_gpu_soft_cap_matches_xla_and_exact(preset, qkv, next_key):
   vs_exact = error_metrics(want, exact)["rel_l2"]
   assert vs_xla < 0.3 * vs_exact + 2e-3, (vs_xla, vs_exact)
   np.testing.assert_allclose(got_lse, want_lse, atol=2e-2)
+
+
+# Mosaic cases beyond the shared test above: window and lengths, GQA, head
+# dims 64 and 256, BNTH, a cap that binds hard (3) and Gemma-2's (50).
+MOSAIC_CASES = [
+    ("sage2-8b", (2, 777, 1030, 8, 2, 64), 50.0,
+     dict(local_window_size=(200, 0), lengths=True)),
+    ("sage2-8b", (1, 300, 4097, 4, 1, 128), 3.0,
+     dict(is_causal=True, causal_alignment="bottom_right", layout="BNTH")),
+    ("sage2-8b", (2, 1024, 1024, 4, 4, 128), 50.0, {}),
+    ("sage1", (1, 500, 700, 4, 2, 256), 3.0, dict(is_causal=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm90 GPU")
+@pytest.mark.parametrize("preset,shape,cap,kwargs", MOSAIC_CASES)
+def test_gpu_mosaic_soft_cap_cases(preset, shape, cap, kwargs, qkv):
+  """The Mosaic kernel with a cap against the "xla" oracle (within half
+  the oracle's own error to exact attention; LSE within 0.02) and exact
+  attention (the uncapped kernel's bounds); a cap of 3 moves exact
+  attention far more than that (one of 50 moves it by about the
+  quantization error: rel-L2 0.017 against 0.011, H100)."""
+  b, t, s, n, kh, h = shape
+  kwargs = dict(kwargs)
+  layout = kwargs.pop("layout", "BTNH")
+  if kwargs.pop("lengths", False):
+    kwargs["query_seq_lengths"] = jnp.array([t, t - 77], jnp.int32)[:b]
+    kwargs["key_value_seq_lengths"] = jnp.array([s - 5, s // 2], jnp.int32)[:b]
+  q, k, v = qkv(b, t, s, n, kh, h, kind="qkv_channel_bias",
+                dtype=jnp.bfloat16, layout=layout)
+  run = jax.jit(lambda q, k, v, impl: sagejax.attention(
+      q, k, v, config=preset, implementation=impl, layout=layout,
+      logits_soft_cap=cap, return_lse=True, **kwargs), static_argnums=3)
+  _poison(8 * q.size * 4)
+  got, got_lse = run(q, k, v, "mosaic")
+  want, want_lse = run(q, k, v, "xla")
+  exact, exact_lse = sagejax.exact_attention(
+      q, k, v, layout=layout, logits_soft_cap=cap, return_lse=True, **kwargs)
+  uncapped = sagejax.exact_attention(q, k, v, layout=layout, **kwargs)
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  vs_xla = error_metrics(got, want)["rel_l2"]
+  vs_exact = error_metrics(want, exact)["rel_l2"]
+  got_exact = error_metrics(got, exact)["rel_l2"]
+  assert vs_xla < 0.5 * vs_exact + 2e-3, (vs_xla, vs_exact)
+  assert got_exact < 1.2 * vs_exact + 2e-3, (got_exact, vs_exact)
+  if cap < 10:  # a cap that binds: a kernel without it would fail
+    assert error_metrics(uncapped, exact)["rel_l2"] > 3 * got_exact
+  fin = np.isfinite(np.asarray(want_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), fin)
+  np.testing.assert_array_equal(np.isfinite(np.asarray(exact_lse)), fin)
+  np.testing.assert_allclose(np.asarray(got_lse)[fin],
+                             np.asarray(want_lse)[fin], atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm90 GPU")
+def test_gpu_mosaic_soft_cap_keeps_nan_and_gradients_exact(qkv, next_key):
+  """A NaN in K reaches the rows that see it (as in exact attention; the
+  cap's tanh keeps NaN); gradients through the Mosaic forward and the
+  "xla" backward are exact attention's."""
+  q, k, v = qkv(1, 256, 384, 4, 2, 128, kind="qkv_channel_bias",
+                dtype=jnp.bfloat16)
+  bad = k.at[0, 100, 1, 5].set(jnp.nan)  # seen by query rows from 100
+  out = jax.jit(lambda q, k, v: sagejax.attention(
+      q, k, v, is_causal=True, implementation="mosaic",
+      logits_soft_cap=CAP))(q, bad, v)
+  want = sagejax.exact_attention(q, bad, v, is_causal=True,
+                                 logits_soft_cap=CAP)
+  np.testing.assert_array_equal(np.isnan(np.asarray(out, np.float32)),
+                                np.isnan(np.asarray(want, np.float32)))
+  assert np.isnan(np.asarray(out, np.float32)).any()
+  w = jax.random.normal(next_key(), q.shape)
+
+  def loss(fn, q, k, v):
+    return jnp.sum(fn(q, k, v, is_causal=True,
+                      logits_soft_cap=CAP).astype(jnp.float32) * w)
+
+  got = jax.jit(jax.grad(functools.partial(loss, functools.partial(
+      sagejax.attention, implementation="mosaic")), (0, 1, 2)))(q, k, v)
+  ref = jax.jit(jax.grad(functools.partial(loss, sagejax.exact_attention),
+                         (0, 1, 2)))(q, k, v)
+  for g, r in zip(got, ref):
+    assert error_metrics(g, r)["rel_l2"] < 0.02, error_metrics(g, r)

@@ -12,7 +12,8 @@ with FP8 P·V).
 
 Calls it does not serve (``unsupported`` says why, and ``implementation=None``
 then picks the ``"pallas"`` backend): user ``mask``/``bias`` arrays, head dims
-above 128 with FP32 inputs, a negative ``scale``, ``logits_soft_cap``.
+above 128 with FP32 inputs, a negative ``scale``. A ``logits_soft_cap`` is
+applied in the kernel (Q then quantized by the pass, for its row shifts).
 
 Its backward (:mod:`sagejax.kernels.mosaic_backward`, 16-bit ``wgmma``)
 takes δ from the forward's saved output (``backward_stats="saved"``, and
@@ -24,7 +25,8 @@ dims above 128 (up to 256) run kernels whose consumers split the work by
 product, with saved statistics only. Calls it does not serve
 (``backward_unsupported``: FP32 inputs, the 8-bit backward, head dims
 above 128 recomputing the statistics) take the ``"pallas"`` backward
-kernels.
+kernels; a soft cap, which neither kernel backward applies, the ``"xla"``
+one.
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ def default_tiling(head_dim: int, config: SageConfig,
   H100, H=256: kernel +11-13% over parts of 64, +60-80% over 128; the
   fewest registers spilled); 16-bit P·V in 64-key steps (a 16-bit V tile
   of 128 keys does not fit shared memory beside K's) and parts of 128
-  columns (section 20, H100: +4% over 64, 3 stages no better)."""
+  columns (section 20, H100: +4% over 64, 3 stages no better). With a
+  logit soft cap (a second MUFU op per score), H=64 keeps 128-key steps
+  (section 29: +8% at 16k causal, equal at 4k)."""
   if head_dim > PARTS_ABOVE_HEAD_DIM:
     if config.pv_dtype != "fp8_e4m3":  # a 16-bit V tile: 64-key steps
       return MosaicTiling(block_kv=64, num_stages=2, consumer_registers=240,
@@ -82,7 +86,8 @@ def default_tiling(head_dim: int, config: SageConfig,
     return MosaicTiling(block_kv=128, num_stages=2, consumer_registers=240,
                         producer_registers=24, pv_part_cols=32)
   if head_dim <= 64:
-    if config.pv_dtype == "fp8_e4m3":
+    capped = call is not None and call.logits_soft_cap is not None
+    if config.pv_dtype == "fp8_e4m3" and not capped:
       return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
     return MosaicTiling(block_kv=128, num_stages=3)
   if (call is not None and call.dims[5] <= PERSISTENT_MAX_KEYS
@@ -143,9 +148,11 @@ def quantize_q_in_kernel(call: ParsedCall, config: SageConfig
   one ``wgmma`` warp of 16 rows: per token, or per thread / per warp with
   ``config.block_q // config.num_warps == 16`` (e.g. ``num_warps=8`` with
   ``block_q=128``, SageAttention2's sm90 geometry; the presets' 32-row
-  warps span two). Smoothed Q (block means and ΔS), per-block groups and
-  inputs that are not 16-bit need the pass."""
-  if config.smooth_q or jnp.dtype(call.q.dtype).itemsize != 2:
+  warps span two). Smoothed Q (block means and ΔS), per-block groups,
+  inputs that are not 16-bit and a soft cap (its row shifts) need the
+  pass."""
+  if (config.smooth_q or jnp.dtype(call.q.dtype).itemsize != 2
+      or call.logits_soft_cap is not None):
     return None
   rows = {"per_token": 1}
   if config.rows_per_warp == 16:
@@ -190,8 +197,6 @@ class _MosaicBackend:
               "where they express the mask")
     if call.sm_scale <= 0:
       return "the kernel needs a positive scale"
-    if call.logits_soft_cap is not None:
-      return "logits_soft_cap is applied by the 'pallas' backend only"
     if h > PARTS_ABOVE_HEAD_DIM and jnp.dtype(call.q.dtype).itemsize != 2:
       return (f"head dims above {PARTS_ABOVE_HEAD_DIM} run with 16-bit "
               "inputs only (an f32 output tile does not fit shared "
@@ -242,6 +247,10 @@ class _MosaicBackend:
     else:
       q, q_layout = prepared.q_raw, call.layout
       quantize_q = quantize_q_in_kernel(call, config)
+    cap, shift = call.logits_soft_cap, qkv.lse_shift
+    row_shift = None  # with a cap, K smoothing's shift goes in before it
+    if cap is not None and shift is not None:
+      row_shift = pad_axis(shift, 2, qkv.q.shape[2])  # Q by the pass
     out, lse, lse_smoothed = attention_forward(
         q, qkv.q_scale, qkv.k, qkv.k_scale, qkv.v, qkv.v_scale,
         qkv.v_mean, qkv.delta_s, call.spec, q_lengths=prepared.q_lengths,
@@ -251,14 +260,15 @@ class _MosaicBackend:
         k_scale_grouped=k_scale_grouped(config), quantize_q=quantize_q,
         k_mean=prepared.k_mean, q_layout=q_layout,
         v_layout=prepared.v_layout, tiling=tiling,
-        profile_dir=profile_dir, return_smoothed_lse=True)
+        profile_dir=profile_dir, return_smoothed_lse=True,
+        logits_soft_cap=cap, row_shift=row_shift)
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]
     else:
       out = out[:, :, :t, :h]
     lse, lse_smoothed = lse[:, :, :t], lse_smoothed[:, :, :t]
-    if qkv.lse_shift is not None:
-      lse = lse + qkv.lse_shift
+    if shift is not None and cap is None:  # (capped: the kernel's LSE is)
+      lse = lse + shift
     return (out, lse, lse_smoothed) if smoothed_lse else (out, lse)
 
   def forward(self, call: ParsedCall, config: SageConfig
@@ -314,6 +324,9 @@ class _MosaicBackend:
               "'pallas' backward serves others")
     if config.backward_int8:
       return "the 8-bit backward (backward_int8) runs in the 'pallas' kernels"
+    if call.logits_soft_cap is not None:
+      return ("the Hopper backward does not apply a logit soft cap; the "
+              "'xla' backward does")
     if (call.dims[3] > mosaic_backward.WIDE_ABOVE_HEAD_DIM
         and not config.saved_stats):
       return (f"above H={mosaic_backward.WIDE_ABOVE_HEAD_DIM} the Hopper "

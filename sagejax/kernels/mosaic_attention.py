@@ -573,6 +573,8 @@ def attention_forward(
     tiling: MosaicTiling = MosaicTiling(),
     profile_dir: Optional[str] = None,
     return_smoothed_lse: bool = False,
+    logits_soft_cap: Optional[float] = None,
+    row_shift: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, ...]:
   """Runs the Mosaic GPU forward on quantized inputs.
 
@@ -616,6 +618,16 @@ def attention_forward(
     return_smoothed_lse: also return the LSE of the logits the kernel
       computes, those of K smoothed by ``k_mean`` (without its row shift;
       the LSE itself where there is no ``k_mean``).
+    logits_soft_cap: Gemma-2's cap ``c``: the natural-log logits (plus
+      ``row_shift``) become ``c·tanh(x / c)`` before the masks
+      (:func:`sagejax.quant.soft_cap_base2`; ``tanh.approx``, relative
+      error 2⁻¹¹, moved the output's error to a fixed reference by under
+      1e-5 relative L2 against an accurate tanh: benchmarks/NOTES.md,
+      Mosaic section 29); the LSE is then that of the capped logits. One
+      more MUFU op per score.
+    row_shift: f32 ``[B, N, T_pad]``, natural log, added to each row's
+      logits before the cap (K smoothing's ``q·k̄·scale``); only with
+      ``logits_soft_cap``.
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
@@ -644,6 +656,15 @@ def attention_forward(
   if quantize_q is not None and delta_s is not None:
     raise ValueError("smoothed Q (delta_s) needs Q quantized before the "
                      "kernel: pass quantize_q=None.")
+  if logits_soft_cap is not None and not logits_soft_cap > 0:
+    raise ValueError(f"logits_soft_cap={logits_soft_cap!r}: pass a float > 0 "
+                     "or None.")
+  if row_shift is not None and logits_soft_cap is None:
+    raise ValueError("row_shift is added before the soft cap: pass it with "
+                     "logits_soft_cap only.")
+  if logits_soft_cap is not None and quantize_q is not None:
+    raise ValueError("the soft cap needs Q quantized before the kernel "
+                     "(its row shifts): pass quantize_q=None.")
   if k_mean is not None and quantize_q is None:
     raise ValueError("k_mean is the in-kernel LSE shift: only with "
                      "quantize_q (else the caller adds quant.lse_shift).")
@@ -685,9 +706,10 @@ def attention_forward(
     q_ref, k_ref, ks_ref, v_ref, vs_ref, ql_ref, kl_ref = (
         refs[name] for name in ("q", "k", "ks", "v", "vs", "ql", "kl"))
     vm_ref, ds_ref, vks_ref = refs.get("vm"), refs.get("ds"), refs.get("vks")
-    qs_ref, km_ref = refs.get("qs"), refs.get("km")
+    qs_ref, km_ref, rs_ref = refs.get("qs"), refs.get("km"), refs.get("rs")
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, ds_smem, o_smem, lse_smem,
-     vs_smem, vm_smem, vks_smem, qx_smem, km_smem, shift_smem) = scratch[0]
+     vs_smem, vm_smem, vks_smem, qx_smem, km_smem, shift_smem,
+     rs_smem) = scratch[0]
     q_bar, k_bar, v_bar = scratch[1]
     k_free, v_free = scratch[2]
     sched = scratch[3]
@@ -784,6 +806,9 @@ def attention_forward(
       if vm_ref is not None:
         plgpu.copy_gmem_to_smem(vm_ref.at[batch, kv_head],
                                 mine(vm_smem, buf), bar)
+      if rs_ref is not None:
+        plgpu.copy_gmem_to_smem(rs_ref.at[batch, head, pl.ds(row0, bq)],
+                                mine(rs_smem, buf), bar)
       return row0
 
     def consumer_tile(t, buf=None, base=None, prefetch=None):
@@ -842,6 +867,9 @@ def attention_forward(
           prefetch()
       qs = load_all(mine(qs_smem, buf), row_layout)
       inv_qs = 1.0 / qs if ds_ref is not None else None
+      cap = logits_soft_cap  # scores capped in base-2 units, row scale 1
+      rs = (None if rs_ref is None
+            else load_all(mine(rs_smem, buf), row_layout))
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                             row_layout)
       l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
@@ -871,12 +899,17 @@ def attention_forward(
 
       def logits(s_f, keys, j, masked: bool):
         """Step ``j``'s base-2 logits before ``q_scale``: the INT32 sums
-        (as f32) times the key scales, plus ΔS, masked."""
+        (as f32) times the key scales, plus ΔS, masked (with a soft cap:
+        times ``q_scale`` and capped before the masks)."""
         ks, _, ds = keys
         t = s_f * lax.broadcast_in_dim(ks, (bq, bkv), [1])
         if ds is not None:
           t = t + (lax.broadcast_in_dim(ds, (bq, bkv), [1])
                    * lax.broadcast_in_dim(inv_qs, (bq, bkv), [0]))
+        if cap is not None:  # then with q_scale, capped, before the masks
+          rows_b = lambda x: lax.broadcast_in_dim(x, (bq, bkv), [0])
+          t = quant.soft_cap_base2(t * rows_b(qs), cap,
+                                   None if rs is None else rows_b(rs))
         if masked:
           rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0,
                                                layout=plgpu.Layout.WGMMA)
@@ -892,14 +925,15 @@ def attention_forward(
         ``key_vectors``. Returns (P·V operand, α broadcast to the output,
         new max, new sum)."""
         ks, vks, _ = keys
-        use_grouped = grouped and not masked and not scaled
+        use_grouped = grouped and not masked and not scaled and cap is None
         with jax.named_scope("row_max"):
           if use_grouped:
             row_max, factors = grouped_logits(x, qs, ks)
             m_new = jnp.maximum(m, qs * row_max)
           else:
             t = x if scaled else logits(x, keys, j, masked)
-            m_new = jnp.maximum(m, qs * t.max(axis=1))
+            t_max = t.max(axis=1)
+            m_new = jnp.maximum(m, t_max if cap is not None else qs * t_max)
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
           alpha = jnp.exp2(m - m_use)
           shift = m_use - _LOG2_P_SCALE if fp8 else m_use
@@ -908,6 +942,8 @@ def attention_forward(
         with jax.named_scope("exp"):
           if use_grouped:
             p = jnp.exp2(x * factors - shift_b)
+          elif cap is not None:
+            p = jnp.exp2(t - shift_b)
           else:
             p = jnp.exp2(t * lax.broadcast_in_dim(qs, (bq, bkv), [0])
                          - shift_b)
@@ -1198,7 +1234,7 @@ def attention_forward(
 
   inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
                 ds=delta_s, vks=v_key_scale, km=k_mean, ql=q_lengths,
-                kl=kv_lengths)
+                kl=kv_lengths, rs=row_shift)
   names = tuple(name for name, x in inputs.items() if x is not None)
 
   def entry(*all_refs):
@@ -1222,9 +1258,10 @@ def attention_forward(
         None if quantize_q is None else wgmma_smem((nc, bq, h), q.dtype),
         None if "km" not in refs else plgpu.SMEM((nc, h), jnp.float32),
         None if "km" not in refs else plgpu.SMEM((*q_bufs, bq), jnp.float32),
+        None if "rs" not in refs else plgpu.SMEM((*q_bufs, bq), jnp.float32),
     )
-    # Q (and its scales, or K's mean), V's scales and mean.
-    q_arrivals = 2 + sum(name in refs for name in ("qs", "km", "vm"))
+    # Q (and its scales, or K's mean), V's scales and mean, the row shifts.
+    q_arrivals = 2 + sum(name in refs for name in ("qs", "km", "vm", "rs"))
     k_arrivals = 2 + (ds_ref is not None) + ("vks" in refs)
     pl.run_scoped(
         lambda *scratch: kernel(refs, out_ref, lse_ref,
