@@ -502,11 +502,13 @@ def test_lowers_for_cuda(monkeypatch, layout, quantized, pv):
 
 def _emulated_mosaic_forward(q, q_scale, k, k_scale, v, v_scale, v_mean,
                              delta_s, spec, *, q_lengths, kv_lengths,
-                             out_dtype, out_layout, v_key_scale, tiling):
+                             out_dtype, out_layout, v_key_scale, tiling,
+                             logits_soft_cap=None, row_shift=None):
   """``mosaic_attention.attention_forward``'s arithmetic in jnp (one global
   max instead of the running one), for checking the Mosaic extend's inputs
   on the CPU: shapes and padding as the kernel demands, V's key order undone,
-  the per-key V factor applied to P̃ before it is rounded."""
+  the per-key V factor applied to P̃ before it is rounded, the soft cap
+  with the row shifts."""
   from sagejax import quant
   from sagejax.kernels.mosaic_attention import pv_key_order
   from sagejax.serving.reference import round_pv
@@ -524,6 +526,10 @@ def _emulated_mosaic_forward(q, q_scale, k, k_scale, v, v_scale, v_mean,
                      k.astype(jnp.int32))
   s2 = (s_int.astype(jnp.float32) * k_scale[:, :, None, None]
         * q_scale.reshape(b, kh, g, t)[..., None])
+  if logits_soft_cap is not None:
+    shift = (None if row_shift is None
+             else row_shift.reshape(b, kh, g, t)[..., None])
+    s2 = quant.soft_cap_base2(s2, logits_soft_cap, shift)
   visible = spec.visible_at(jnp.arange(t)[:, None], jnp.arange(s)[None, :],
                             q_lengths[:, None, None, None, None],
                             kv_lengths[:, None, None, None, None])
@@ -546,14 +552,16 @@ def _emulated_mosaic_forward(q, q_scale, k, k_scale, v, v_scale, v_mean,
   return out.astype(out_dtype), None
 
 
-@pytest.mark.parametrize("pv", ["fp16", "fp8_e4m3"])
+@pytest.mark.parametrize("pv,cap", [("fp16", None), ("fp8_e4m3", None),
+                                    ("fp8_e4m3", 3.0)])
 @pytest.mark.parametrize("layout", ["KPSH", "PSKH"])
-def test_mosaic_extend_inputs(monkeypatch, next_key, pv, layout):
+def test_mosaic_extend_inputs(monkeypatch, next_key, pv, cap, layout):
   """The Mosaic extend's gather, key order, per-key V factor, lengths and
   bad-sequence handling, on the CPU, with the kernel replaced by its
   arithmetic in jnp: equals the ``"xla"`` reference with one P·V
   normalization block per sequence. Padded and packed queries, a window, a
-  page id outside the pool (that sequence: NaN)."""
+  page id outside the pool (that sequence: NaN); a soft cap with K
+  smoothing's row shifts."""
   from sagejax.serving import attention as attention_lib
   from sagejax.serving import mosaic_paged
   monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
@@ -576,12 +584,13 @@ def test_mosaic_extend_inputs(monkeypatch, next_key, pv, layout):
     assert table.shape == (b, s // cache.page_size)
   table = table.at[3, 0].set(cache.num_pages)           # outside the pool
   config = serving.SERVING_CONFIG.replace(pv_dtype=pv)
-  kw = dict(local_window_size=100, config=config, implementation="mosaic")
+  kw = dict(local_window_size=100, config=config, implementation="mosaic",
+            logits_soft_cap=cap)
   got = jax.jit(lambda *a: serving.extend_attention(  # jit: no value checks
       *a[:4], q_lengths=a[4], **kw))(sc["q"], cache, table, sc["kv_len"],
                                      sc["q_len"])
   math = PagedMath(sm_scale=64 ** -0.5, window=100, pv_dtype=pv,
-                   block_k=table.shape[1] * cache.page_size)
+                   block_k=table.shape[1] * cache.page_size, soft_cap=cap)
   want = jax.jit(reference.paged_attention, static_argnums=5)(
       sc["q"], sc["q_len"], cache, table, sc["kv_len"], math)
   got, want = np.asarray(got), np.asarray(want)
@@ -620,7 +629,9 @@ def test_mosaic_extend_selection(monkeypatch, next_key):
   assert pick(quant_cache, math, True, 1, None) == "pallas"        # decode
   assert pick(plain, math, False, t, None) == "pallas"
   assert pick(quant_cache, dataclasses.replace(math, soft_cap=5.0), False, t,
-              None) == "pallas"
+              None) == "mosaic"                                   # extend
+  assert pick(quant_cache, dataclasses.replace(math, soft_cap=5.0), True, 1,
+              None) == "pallas"                                   # decode
   assert pick(quant_cache, math, False, t,
               serving.PagedTiling()) == "pallas"
   assert pick(quant_cache, math, False, 1, MosaicTiling()) == "mosaic"
@@ -637,8 +648,12 @@ def test_mosaic_extend_selection(monkeypatch, next_key):
   serving.extend_attention(jnp.ones((4, t, 4, 64)), quant_cache, table, lens)
   assert picked == ["pallas", "mosaic"]
   q = jnp.ones((1, 4, 1, 64))
+  with pytest.raises(ValueError, match="soft-cap"):  # the decode kernel
+    serving.decode_attention(q[:, 0], quant_cache,
+                             jnp.zeros((1, 4), jnp.int32),
+                             jnp.full((1,), 4, jnp.int32),
+                             implementation="mosaic", logits_soft_cap=5.0)
   for kwargs, match in (
-      (dict(implementation="mosaic", logits_soft_cap=5.0), "soft-cap"),
       (dict(implementation="pallas", tiling=MosaicTiling()), "PagedTiling"),
       (dict(implementation="mosaic", interpret=True), "interpreter")):
     with pytest.raises(ValueError, match=match):
@@ -654,7 +669,8 @@ def test_mosaic_extend_selection(monkeypatch, next_key):
 @pytest.mark.parametrize("pv", ["fp16", "fp8_e4m3"])
 @pytest.mark.parametrize("h", [64, 128])
 def test_mosaic_extend_lowers_for_cuda(monkeypatch, pv, h):
-  """The Mosaic extend (padded and packed, window) lowers for CUDA."""
+  """The Mosaic extend (padded and packed, window; soft cap with FP8 P̃)
+  lowers for CUDA."""
   from sagejax.serving import attention as attention_lib
   monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
   cache = serving.PagedKVCache.create(num_pages=40, page_size=16,
@@ -662,7 +678,8 @@ def test_mosaic_extend_lowers_for_cuda(monkeypatch, pv, h):
   table = jnp.zeros((4, 10), jnp.int32)
   lens = jnp.full((4,), 150, jnp.int32)
   kw = dict(config=serving.SERVING_CONFIG.replace(pv_dtype=pv),
-            local_window_size=64, implementation="mosaic")
+            local_window_size=64, implementation="mosaic",
+            logits_soft_cap=30.0 if pv == "fp8_e4m3" else None)
   for q, extra in ((jnp.zeros((4, 130, 8, h), jnp.bfloat16), {}),
                    (jnp.zeros((300, 8, h), jnp.bfloat16),
                     dict(cu_seqlens=jnp.asarray([0, 100, 200, 250, 300],
@@ -952,26 +969,27 @@ def test_gpu_decode_and_extend_match_xla(next_key, quantized, ps):
 
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("pv", ["fp16", "fp8_e4m3"])
+@pytest.mark.parametrize("pv,cap", [("fp16", None), ("fp8_e4m3", None),
+                                    ("fp8_e4m3", 3.0)])
 @pytest.mark.parametrize("h,ps,window", [(128, 16, None), (64, 64, 700)])
-def test_gpu_mosaic_extend_matches_xla(next_key, pv, h, ps, window):
+def test_gpu_mosaic_extend_matches_xla(next_key, pv, cap, h, ps, window):
   """The Mosaic extend, compiled, device memory poisoned first: odd lengths
   (chunks of 1000, 200, 257 and 1 token on prefixes of 0-3200), GQA 8/2,
   channel-bias data, against the ``"xla"`` reference and dense attention
-  over the cache's dequantized tokens."""
+  over the cache's dequantized tokens (both with the soft cap, if any)."""
   kv_len, q_len = [4200, 1000, 257, 130], [1000, 200, 257, 1]
   sc = _scenario(next_key(), kv_len, q_len, kh=2, g=4, h=h, ps=ps)
   q = sc["q"].astype(jnp.bfloat16)
   config = serving.SERVING_CONFIG.replace(pv_dtype=pv)
   run = jax.jit(lambda impl: serving.extend_attention(
       q, sc["cache"], sc["table"], sc["kv_len"], q_lengths=sc["q_len"],
-      local_window_size=window, config=config, implementation=impl),
-      static_argnums=0)
+      local_window_size=window, config=config, implementation=impl,
+      logits_soft_cap=cap), static_argnums=0)
   jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()  # poison
   got = run("mosaic")
   want = run("xla")
   k_deq, v_deq = _dequantized(sc)
-  seen = _dense(q, k_deq, v_deq, sc["q_len"], sc["kv_len"], window)
+  seen = _dense(q, k_deq, v_deq, sc["q_len"], sc["kv_len"], window, cap)
   valid = (np.arange(1000)[None] < np.asarray(q_len)[:, None])[..., None,
                                                                  None]
   out = np.asarray(got, np.float32)

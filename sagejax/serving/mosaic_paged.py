@@ -28,6 +28,8 @@ warp-specialised consumers) on the cache's own quantized entries:
   order (or ``[B, K, S_pad, H]`` FP16 for 16-bit P·V, the FP8 values exact);
 * queries are quantized to INT8 per (token, head) row, as the Triton kernel
   does inside;
+* a logit soft cap is the kernel's own (K smoothing's row shift ``q·k̄``,
+  from the unquantized queries, goes in before it);
 * V's per-token scales enter as the kernel's per-key factor of P̃:
   ``P' = p̃ · v_scale / c`` with ``c`` the largest V scale of the sequence
   and head, rounded to the P·V operand, and the output times ``c``. That is
@@ -36,8 +38,8 @@ warp-specialised consumers) on the cache's own quantized entries:
 
 Bottom-right causal alignment, the local window and per-sequence lengths are
 the kernel's own; KV blocks no row of a CTA sees are never loaded. Not served
-(the Triton kernel serves them): plain 16-bit caches, logit soft-cap, head
-dims other than 64 and 128.
+(the Triton kernel serves them): plain 16-bit caches, head dims other than
+64 and 128.
 """
 
 from __future__ import annotations
@@ -82,8 +84,6 @@ def default_tiling(head_dim: int, pv_dtype: str = MOSAIC_EXTEND_CONFIG.pv_dtype
 def _unsupported_by_both(cache: PagedKVCache, math: PagedMath
                          ) -> Optional[str]:
   """What neither Mosaic kernel (extend, decode) serves, or None."""
-  if math.soft_cap is not None:
-    return "logit soft-cap is applied by the Triton kernel only"
   if cache.head_dim not in HEAD_DIMS:
     return f"head dim {cache.head_dim} is not one of {HEAD_DIMS}"
   return None
@@ -167,6 +167,13 @@ def prepare(q: jax.Array, q_len: jax.Array, kv_len: jax.Array,
     v = jnp.where(key_ok[..., None], v8, zero8).astype(jnp.float16)
     v = _pad_to(v, 2, s_pad)
   q8, qs = quantize_query(q, math.sm_scale)                    # [B, T, N]
+  capped = {}
+  if math.soft_cap is not None and cache.k_smooth is not None:
+    # K smoothing's row shift q·k̄·scale (natural log), before the cap.
+    k_bar = jnp.repeat(cache.k_smooth, n // kh, axis=0)        # [N, H]
+    shift = jnp.einsum("btnh,nh->bnt", q.astype(jnp.float32), k_bar,
+                       precision=jax.lax.Precision.HIGHEST) * math.sm_scale
+    capped["row_shift"] = _pad_to(shift, 2, t_pad)
   v_mean = None
   if cache.v_smooth is not None:
     v_mean = jnp.broadcast_to(cache.v_smooth[None], (b, kh, h))
@@ -176,13 +183,15 @@ def prepare(q: jax.Array, q_len: jax.Array, kv_len: jax.Array,
       k=_pad_to(k8, 2, s_pad), k_scale=_pad_to(ks, 2, s_pad), v=v,
       v_scale=jnp.broadcast_to(c[..., None], (b, kh, h)), v_mean=v_mean,
       v_key_scale=_pad_to(vs / c[..., None], 2, s_pad), q_lengths=q_len,
-      kv_lengths=kv_len, bad=bad)
+      kv_lengths=kv_len, bad=bad, **capped)
 
 
 def kernel(operands: dict, math: PagedMath, out_dtype,
            tiling: MosaicTiling) -> jax.Array:
   """The Mosaic kernel on :func:`prepare`'s operands: ``[B, T_pad, N, H]``."""
   ops = {k: v for k, v in operands.items() if k != "bad"}
+  if math.soft_cap is not None:
+    ops["logits_soft_cap"] = math.soft_cap
   out, _ = attention_forward(
       ops.pop("q"), ops.pop("q_scale"), ops.pop("k"), ops.pop("k_scale"),
       ops.pop("v"), ops.pop("v_scale"), ops.pop("v_mean"), None, math.mask,
@@ -234,6 +243,8 @@ def decode_unsupported(cache: PagedKVCache, math: PagedMath, groups: int
   reason = _unsupported_by_both(cache, math)
   if reason is not None:
     return reason
+  if math.soft_cap is not None:
+    return "logit soft-cap is applied by the Triton decode kernel only"
   if cache.layout != "KPSH" or (cache.quantized and not cache.v_transposed):
     return ("the Mosaic decode reads the pages PagedKVCache.create lays out "
             "(quantized: V transposed), not a contiguous cache's")
