@@ -152,6 +152,35 @@ def test_lowers_for_cuda(preset, layout, masks, h):
   assert "mosaic_gpu" in text and "sage_quantize_v" in text
 
 
+@pytest.mark.parametrize("layout,shape,kwargs", [
+    ("BTNH", (2, 1, 200, 300), dict(is_causal=True)),
+    ("BNTH", (1, 4, 200, 300), dict(key_value_seq_lengths=jnp.array([300, 99]))),
+    ("BTNH", (2, 1, 1, 300), dict(logits_soft_cap=20.0))])
+def test_mask_arrays_lower_for_cuda(layout, shape, kwargs):
+  """A mask array (broadcast over heads, batch or query rows) runs on the
+  Mosaic kernel at H <= 128, its tiles streamed beside K; its gradients go
+  to the 'pallas' backward, and above H=128 the forward too."""
+  q, k, v = _data(2, 200, 300, 4, 2, 128, layout=layout)
+  mask = jax.random.bernoulli(jax.random.PRNGKey(3), 0.7, shape)
+
+  def f(q, k, v, mask):
+    call = _inputs.parse(q, k, v, mask=mask, layout=layout, **kwargs)
+    assert mosaic.BACKEND.unsupported(call, PRESETS["sage2-8b"]) is None
+    assert mosaic.BACKEND.backward_unsupported(call, PRESETS["sage2-8b"])
+    return mosaic.BACKEND.forward(call, PRESETS["sage2-8b"])
+
+  text = jax.jit(f).trace(q, k, v, mask).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu_v2") == 1
+  call = _inputs.parse(q, k, v, mask=mask, layout=layout)
+  assert "mask array" in mosaic.BACKEND.backward_unsupported(
+      call, PRESETS["sage2-8b"])
+  wide = _data(1, 8, 8, 2, 2, 256)
+  assert "mask arrays above" in mosaic.BACKEND.unsupported(
+      _inputs.parse(*wide, mask=jnp.ones((1, 1, 8, 8), bool)),
+      PRESETS["sage2-8b"])
+
+
 @pytest.mark.parametrize("layout,lengths", [("BTNH", False),
                                             ("BNTH", True)])
 def test_training_forward_above_head_dim_128_lowers_for_cuda(layout,
@@ -383,8 +412,10 @@ def test_unsupported_calls_name_the_reason():
   q, k, v = _data(1, 16, 16, 2, 2, 64)
   cfg = PRESETS["sage2-8b"]
   mask = jnp.ones((1, 1, 16, 16), bool)
-  assert "mask/bias" in mosaic.BACKEND.unsupported(
-      _inputs.parse(q, k, v, mask=mask), cfg)
+  assert mosaic.BACKEND.unsupported(_inputs.parse(q, k, v, mask=mask),
+                                    cfg) is None  # read in tiles
+  assert "bias arrays" in mosaic.BACKEND.unsupported(
+      _inputs.parse(q, k, v, bias=mask.astype(q.dtype)), cfg)
   assert "positive scale" in mosaic.BACKEND.unsupported(
       _inputs.parse(q, k, v, scale=-1.0), cfg)
   q2, k2, v2 = _data(1, 16, 16, 2, 2, 256)
@@ -489,6 +520,55 @@ def test_gpu_mosaic_matches_xla_and_exact(preset, shape, kwargs, kind):
   assert mosaic_exact < 1.2 * vs_exact + 2e-3, (mosaic_exact, vs_exact)
   fin = np.isfinite(np.asarray(want_lse))
   np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), fin)
+  np.testing.assert_allclose(np.asarray(got_lse)[fin],
+                             np.asarray(want_lse)[fin], atol=2e-2)
+
+
+MASK_CASES = [
+    ("sage2-8b", (2, 1000, 1200, 8, 2, 128), (2, 1, 1000, 1200),
+     dict(is_causal=True)),
+    ("sage2-8b", (2, 777, 1030, 4, 4, 64), (1, 4, 777, 1030),
+     dict(lengths=True, layout="BNTH")),
+    ("sage1", (1, 300, 4097, 4, 1, 128), (1, 1, 1, 4097),
+     dict(local_window_size=(500, 0))),
+]
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("preset,shape,mask_shape,kwargs", MASK_CASES)
+def test_gpu_mosaic_mask_arrays(preset, shape, mask_shape, kwargs):
+  """The kernel with the caller's mask array (broadcast shapes, with
+  causal, window, lengths; rows masked out entirely, and a NaN key where
+  the mask hides it from every row) against "xla" and exact attention."""
+  b, t, s, n, kh, h = shape
+  layout, kwargs = _case_kwargs(b, t, s, kwargs)
+  q, k, v = _data(b, t, s, n, kh, h, kind="qkv_channel_bias", layout=layout)
+  mask = jax.random.bernoulli(jax.random.PRNGKey(t + s), 0.6, mask_shape)
+  if mask_shape[2] > 1:
+    mask = mask.at[:, :, 5].set(False)             # a row that sees nothing
+  mask = mask.at[..., 3].set(False)                # key 3: hidden from all
+  k = k.at[(0, 3, 0, 0) if layout == "BTNH" else (0, 0, 3, 0)].set(jnp.nan)
+  run = jax.jit(lambda q, k, v, impl: sagejax.attention(
+      q, k, v, mask=mask, config=preset, implementation=impl, layout=layout,
+      return_lse=True, **kwargs), static_argnums=3)
+  _poison(8 * q.size * 4)
+  got, got_lse = run(q, k, v, "mosaic")
+  want, want_lse = run(q, k, v, "xla")
+  exact = sagejax.exact_attention(q, k, v, mask=mask, layout=layout,
+                                  **kwargs)
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  np.testing.assert_array_equal(np.asarray(got, np.float32) == 0,
+                                np.asarray(want, np.float32) == 0)
+  vs_xla = testing.error_metrics(got, want)["rel_l2"]
+  vs_exact = testing.error_metrics(want, exact)["rel_l2"]
+  mosaic_exact = testing.error_metrics(got, exact)["rel_l2"]
+  assert vs_xla < 0.5 * vs_exact + 2e-3, (vs_xla, vs_exact)
+  assert mosaic_exact < 1.2 * vs_exact + 2e-3, (mosaic_exact, vs_exact)
+  fin = np.isfinite(np.asarray(want_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), fin)
+  if mask_shape[2] > 1:
+    assert not fin.all()                           # masked-out rows: −inf
   np.testing.assert_allclose(np.asarray(got_lse)[fin],
                              np.asarray(want_lse)[fin], atol=2e-2)
 
@@ -1117,7 +1197,7 @@ def test_backward_unsupported_calls_name_the_reason():
       _inputs.parse(*(x.astype(jnp.float32) for x in (q, k, v))), cfg)
   assert "backward_int8" in mosaic.BACKEND.backward_unsupported(
       _inputs.parse(q, k, v), cfg.replace(backward_int8=True))
-  assert "mask/bias" in mosaic.BACKEND.backward_unsupported(
+  assert "mask array" in mosaic.BACKEND.backward_unsupported(
       _inputs.parse(q, k, v, mask=jnp.ones((1, 1, 16, 16), bool)), cfg)
 
 

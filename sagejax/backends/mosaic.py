@@ -11,9 +11,10 @@ config's groups allow (:func:`quantize_q_in_kernel`): by default only in a
 with FP8 P·V).
 
 Calls it does not serve (``unsupported`` says why, and ``implementation=None``
-then picks the ``"pallas"`` backend): user ``mask``/``bias`` arrays, head dims
-above 128 with FP32 inputs, a negative ``scale``. A ``logits_soft_cap`` is
-applied in the kernel (Q then quantized by the pass, for its row shifts).
+then picks the ``"pallas"`` backend): ``bias`` arrays, ``mask`` arrays above
+H=128, head dims above 128 with FP32 inputs, a negative ``scale``. A
+``logits_soft_cap`` is applied in the kernel (Q then quantized by the pass,
+for its row shifts); a ``mask`` array streams to it in tiles beside K.
 
 Its backward (:mod:`sagejax.kernels.mosaic_backward`, 16-bit ``wgmma``)
 takes δ from the forward's saved output (``backward_stats="saved"``, and
@@ -25,8 +26,8 @@ dims above 128 (up to 256) run kernels whose consumers split the work by
 product, with saved statistics only. Calls it does not serve
 (``backward_unsupported``: FP32 inputs, the 8-bit backward, head dims
 above 128 recomputing the statistics) take the ``"pallas"`` backward
-kernels; a soft cap, which neither kernel backward applies, the ``"xla"``
-one.
+kernels (and so do mask arrays); a soft cap, which neither kernel
+backward applies, the ``"xla"`` one.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def default_tiling(head_dim: int, config: SageConfig,
   fewest registers spilled); 16-bit P·V in 64-key steps (a 16-bit V tile
   of 128 keys does not fit shared memory beside K's) and parts of 128
   columns (section 20, H100: +4% over 64, 3 stages no better). With a
-  logit soft cap (a second MUFU op per score), H=64 keeps 128-key steps
-  (section 29: +8% at 16k causal, equal at 4k)."""
+  logit soft cap (a second MUFU op per score) or a mask array, H=64 keeps
+  128-key steps (section 29: capped +8% at 16k causal, equal at 4k;
+  section 30: masked, 256-key steps ran 0.65x the Triton kernel)."""
   if head_dim > PARTS_ABOVE_HEAD_DIM:
     if config.pv_dtype != "fp8_e4m3":  # a 16-bit V tile: 64-key steps
       return MosaicTiling(block_kv=64, num_stages=2, consumer_registers=240,
@@ -86,8 +88,10 @@ def default_tiling(head_dim: int, config: SageConfig,
     return MosaicTiling(block_kv=128, num_stages=2, consumer_registers=240,
                         producer_registers=24, pv_part_cols=32)
   if head_dim <= 64:
-    capped = call is not None and call.logits_soft_cap is not None
-    if config.pv_dtype == "fp8_e4m3" and not capped:
+    # A soft cap or a mask array: every step per key (no grouped softmax).
+    per_key = call is not None and (call.logits_soft_cap is not None
+                                    or call.mask is not None)
+    if config.pv_dtype == "fp8_e4m3" and not per_key:
       return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
     return MosaicTiling(block_kv=128, num_stages=3)
   if (call is not None and call.dims[5] <= PERSISTENT_MAX_KEYS
@@ -191,10 +195,12 @@ class _MosaicBackend:
   def unsupported(self, call: ParsedCall, config: SageConfig
                   ) -> Optional[str]:
     _, _, _, h, _, _ = call.dims
-    if call.mask is not None or call.bias is not None:
-      return ("user mask/bias arrays are read in tiles by the 'pallas' "
-              "backend only; pass is_causal/local_window_size/*_seq_lengths "
-              "where they express the mask")
+    if call.bias is not None:
+      return ("bias arrays are read in tiles by the 'pallas' backend only")
+    if call.mask is not None and h > PARTS_ABOVE_HEAD_DIM:
+      return (f"mask arrays above H={PARTS_ABOVE_HEAD_DIM} are read by the "
+              "'pallas' backend (shared memory); pass is_causal/"
+              "local_window_size/*_seq_lengths where they express the mask")
     if call.sm_scale <= 0:
       return "the kernel needs a positive scale"
     if h > PARTS_ABOVE_HEAD_DIM and jnp.dtype(call.q.dtype).itemsize != 2:
@@ -261,7 +267,9 @@ class _MosaicBackend:
         k_mean=prepared.k_mean, q_layout=q_layout,
         v_layout=prepared.v_layout, tiling=tiling,
         profile_dir=profile_dir, return_smoothed_lse=True,
-        logits_soft_cap=cap, row_shift=row_shift)
+        logits_soft_cap=cap, row_shift=row_shift,
+        mask=(None if prepared.mask is None
+              else (prepared.mask != 0).astype(jnp.bfloat16)))
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]
     else:
@@ -327,6 +335,9 @@ class _MosaicBackend:
     if call.logits_soft_cap is not None:
       return ("the Hopper backward does not apply a logit soft cap; the "
               "'xla' backward does")
+    if call.mask is not None:
+      return ("the Hopper backward takes no mask array; the 'pallas' "
+              "backward does")
     if (call.dims[3] > mosaic_backward.WIDE_ABOVE_HEAD_DIM
         and not config.saved_stats):
       return (f"above H={mosaic_backward.WIDE_ABOVE_HEAD_DIM} the Hopper "

@@ -575,6 +575,7 @@ def attention_forward(
     return_smoothed_lse: bool = False,
     logits_soft_cap: Optional[float] = None,
     row_shift: Optional[jax.Array] = None,
+    mask: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, ...]:
   """Runs the Mosaic GPU forward on quantized inputs.
 
@@ -628,6 +629,11 @@ def attention_forward(
     row_shift: f32 ``[B, N, T_pad]``, natural log, added to each row's
       logits before the cap (K smoothing's ``q·k̄·scale``); only with
       ``logits_soft_cap``.
+    mask: the caller's mask array, bf16 ``[B|1, N|1, T_pad, S_pad]``,
+      nonzero = attend: each consumer's ``[64, block_kv]`` tile of it
+      streams with K (TMA), and every step takes the masked path
+      (logits selected, so a masked NaN score is dropped as in exact
+      attention). Head dims up to 128.
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
@@ -662,6 +668,13 @@ def attention_forward(
   if row_shift is not None and logits_soft_cap is None:
     raise ValueError("row_shift is added before the soft cap: pass it with "
                      "logits_soft_cap only.")
+  if mask is not None and (mask.dtype != jnp.bfloat16 or mask.ndim != 4
+                           or mask.shape[2:] != (t_pad, s_pad)
+                           or mask.shape[0] not in (1, b)
+                           or mask.shape[1] not in (1, n) or h > 128):
+    raise ValueError(f"mask {mask.shape} {mask.dtype}: pass bf16 [B|1, N|1, "
+                     f"{t_pad}, {s_pad}] (nonzero = attend), head dims up to "
+                     "128.")
   if logits_soft_cap is not None and quantize_q is not None:
     raise ValueError("the soft cap needs Q quantized before the kernel "
                      "(its row shifts): pass quantize_q=None.")
@@ -707,9 +720,10 @@ def attention_forward(
         refs[name] for name in ("q", "k", "ks", "v", "vs", "ql", "kl"))
     vm_ref, ds_ref, vks_ref = refs.get("vm"), refs.get("ds"), refs.get("vks")
     qs_ref, km_ref, rs_ref = refs.get("qs"), refs.get("km"), refs.get("rs")
+    mk_ref = refs.get("mk")
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, ds_smem, o_smem, lse_smem,
      vs_smem, vm_smem, vks_smem, qx_smem, km_smem, shift_smem,
-     rs_smem) = scratch[0]
+     rs_smem, mk_smem) = scratch[0]
     q_bar, k_bar, v_bar = scratch[1]
     k_free, v_free = scratch[2]
     sched = scratch[3]
@@ -887,21 +901,24 @@ def attention_forward(
                   else (lambda p: p.sum(axis=1)))
 
       def key_vectors(slot):
-        """Step ``slot``'s per-key vectors (K scales, V factors, ΔS) read
-        out of shared memory; then the K slot is released."""
+        """Step ``slot``'s per-key vectors (K scales, V factors, ΔS) and
+        this consumer's mask tile read out of shared memory; then the K
+        slot is released."""
         ks = load_all(ks_smem.at[slot], col_layout)
         vks = (None if vks_ref is None
                else load_all(vks_smem.at[slot], col_layout))
         ds = (None if ds_ref is None
               else load_all(ds_smem.at[slot], col_layout))
+        mk = (None if mk_ref is None
+              else load_all(mk_smem.at[slot, wg], plgpu.Layout.WGMMA))
         plgpu.barrier_arrive(k_free.at[slot])
-        return ks, vks, ds
+        return ks, vks, ds, mk
 
       def logits(s_f, keys, j, masked: bool):
         """Step ``j``'s base-2 logits before ``q_scale``: the INT32 sums
         (as f32) times the key scales, plus ΔS, masked (with a soft cap:
         times ``q_scale`` and capped before the masks)."""
-        ks, _, ds = keys
+        ks, _, ds, mk = keys
         t = s_f * lax.broadcast_in_dim(ks, (bq, bkv), [1])
         if ds is not None:
           t = t + (lax.broadcast_in_dim(ds, (bq, bkv), [1])
@@ -910,6 +927,8 @@ def attention_forward(
           rows_b = lambda x: lax.broadcast_in_dim(x, (bq, bkv), [0])
           t = quant.soft_cap_base2(t * rows_b(qs), cap,
                                    None if rs is None else rows_b(rs))
+        if mk is not None:  # the caller's mask array (selected: NaN dropped)
+          t = jnp.where(mk != 0, t, -jnp.inf)
         if masked:
           rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0,
                                                layout=plgpu.Layout.WGMMA)
@@ -924,7 +943,7 @@ def attention_forward(
         (or, ``scaled``, the :func:`logits`); ``keys`` the
         ``key_vectors``. Returns (P·V operand, α broadcast to the output,
         new max, new sum)."""
-        ks, vks, _ = keys
+        ks, vks, _, _ = keys
         use_grouped = grouped and not masked and not scaled and cap is None
         with jax.named_scope("row_max"):
           if use_grouped:
@@ -1082,6 +1101,8 @@ def attention_forward(
 
       def run_steps(step_fn, carry):
         masked = functools.partial(step_fn, masked=True)
+        if mk_ref is not None:  # a mask array may mask any step
+          return lax.fori_loop(blo, bhi, masked, carry)
         carry = lax.fori_loop(blo, fblo, masked, carry)
         carry = lax.fori_loop(fblo, fbhi,
                               functools.partial(step_fn, masked=False), carry)
@@ -1208,6 +1229,13 @@ def attention_forward(
         if vks_ref is not None:
           plgpu.copy_gmem_to_smem(vks_ref.at[batch, kv_head, keys],
                                   vks_smem.at[slot], k_bar.at[slot])
+        if mk_ref is not None:  # each consumer's rows of the mask array
+          mb = batch if mk_ref.shape[0] > 1 else 0
+          mh = head if mk_ref.shape[1] > 1 else 0
+          for c in range(nc):
+            rows = pl.ds(t.first_row + c * bq, bq)
+            plgpu.copy_gmem_to_smem(mk_ref.at[mb, mh, rows, keys],
+                                    mk_smem.at[slot, c], k_bar.at[slot])
 
         @pl.when(ring_step >= stages)
         def _():
@@ -1234,7 +1262,7 @@ def attention_forward(
 
   inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
                 ds=delta_s, vks=v_key_scale, km=k_mean, ql=q_lengths,
-                kl=kv_lengths, rs=row_shift)
+                kl=kv_lengths, rs=row_shift, mk=mask)
   names = tuple(name for name, x in inputs.items() if x is not None)
 
   def entry(*all_refs):
@@ -1259,10 +1287,13 @@ def attention_forward(
         None if "km" not in refs else plgpu.SMEM((nc, h), jnp.float32),
         None if "km" not in refs else plgpu.SMEM((*q_bufs, bq), jnp.float32),
         None if "rs" not in refs else plgpu.SMEM((*q_bufs, bq), jnp.float32),
+        None if "mk" not in refs else wgmma_smem((stages, nc, bq, bkv),
+                                                 jnp.bfloat16),
     )
     # Q (and its scales, or K's mean), V's scales and mean, the row shifts.
     q_arrivals = 2 + sum(name in refs for name in ("qs", "km", "vm", "rs"))
-    k_arrivals = 2 + (ds_ref is not None) + ("vks" in refs)
+    k_arrivals = (2 + (ds_ref is not None) + ("vks" in refs)
+                  + nc * ("mk" in refs))
     pl.run_scoped(
         lambda *scratch: kernel(refs, out_ref, lse_ref,
                                 (shift_ref or [None])[0], scratch),
