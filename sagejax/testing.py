@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -69,3 +69,37 @@ def error_metrics(out, ref) -> dict[str, float]:
       "rmse": float(np.sqrt(np.mean((a - b) ** 2))),
       "rel_l2": float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)),
   }
+
+
+def assert_near_oracle(got, oracle, exact, *, ratio: float,
+                       exact_ratio: Optional[float] = 1.2,
+                       slack: float = 2e-3) -> dict[str, float]:
+  """Asserts a kernel's output near the ``"xla"`` oracle's for the same call.
+
+  With ``e = rel-L2(oracle, exact)`` (the quantization error itself):
+  ``rel-L2(got, oracle) < ratio·e + slack`` and, unless ``exact_ratio`` is
+  None, ``rel-L2(got, exact) < exact_ratio·e + slack``; ``got`` finite
+  wherever the oracle is. Returns the three errors (``vs_oracle``,
+  ``vs_exact``, ``oracle_exact``).
+  """
+  got_f = np.asarray(jnp.asarray(got, jnp.float32))
+  finite = np.isfinite(np.asarray(jnp.asarray(oracle, jnp.float32)))
+  assert np.all(np.isfinite(got_f[finite])), "non-finite where the oracle is"
+  errors = {"vs_oracle": error_metrics(got, oracle)["rel_l2"],
+            "vs_exact": error_metrics(got, exact)["rel_l2"],
+            "oracle_exact": error_metrics(oracle, exact)["rel_l2"]}
+  bound = ratio * errors["oracle_exact"] + slack
+  assert errors["vs_oracle"] < bound, errors
+  if exact_ratio is not None:
+    assert errors["vs_exact"] < exact_ratio * errors["oracle_exact"] + slack, (
+        errors)
+  return errors
+
+
+def assert_lse_near(got_lse, want_lse, atol: float = 2e-2) -> None:
+  """The same rows are finite (−inf: rows that see no key) and the finite
+  ones agree within ``atol``."""
+  got_lse, want_lse = np.asarray(got_lse), np.asarray(want_lse)
+  finite = np.isfinite(want_lse)
+  np.testing.assert_array_equal(np.isfinite(got_lse), finite)
+  np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=atol)
