@@ -181,6 +181,29 @@ def test_mask_arrays_lower_for_cuda(layout, shape, kwargs):
       PRESETS["sage2-8b"])
 
 
+@pytest.mark.parametrize("h", [64, 128])
+def test_gradients_with_a_mask_array_lower_for_cuda(monkeypatch, h):
+  """jax.grad of a call with a mask array, as on an sm90 GPU: the Mosaic
+  training forward (16-bit P·V, Q quantized by the pass: the mask tiles
+  take the shared memory of an in-kernel Q tile, which overflowed it) and
+  the Triton backward kernels, lowered for CUDA."""
+  from sagejax.backends import pallas_triton
+  monkeypatch.setattr(mosaic, "is_hopper", lambda: True)
+  monkeypatch.setattr(pallas_triton, "gpu_compute_capability", lambda: 9.0)
+  q, k, v = _data(2, 200, 300, 4, 2, h)
+  mask = jax.random.bernoulli(jax.random.PRNGKey(4), 0.7, (2, 1, 200, 300))
+
+  def loss(q, k, v):
+    out = sagejax.attention(q, k, v, mask=mask, is_causal=True,
+                            implementation="mosaic")
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu_v2") == 1
+  assert "sage_attention_bwd_dkdv" in text
+
+
 @pytest.mark.parametrize("layout,lengths", [("BTNH", False),
                                             ("BNTH", True)])
 def test_training_forward_above_head_dim_128_lowers_for_cuda(layout,

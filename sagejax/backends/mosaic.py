@@ -153,10 +153,11 @@ def quantize_q_in_kernel(call: ParsedCall, config: SageConfig
   ``config.block_q // config.num_warps == 16`` (e.g. ``num_warps=8`` with
   ``block_q=128``, SageAttention2's sm90 geometry; the presets' 32-row
   warps span two). Smoothed Q (block means and ΔS), per-block groups,
-  inputs that are not 16-bit and a soft cap (its row shifts) need the
+  inputs that are not 16-bit, a soft cap (its row shifts) and a mask
+  array (its tiles take the shared memory of the 16-bit Q tile) need the
   pass."""
   if (config.smooth_q or jnp.dtype(call.q.dtype).itemsize != 2
-      or call.logits_soft_cap is not None):
+      or call.logits_soft_cap is not None or call.mask is not None):
     return None
   rows = {"per_token": 1}
   if config.rows_per_warp == 16:
