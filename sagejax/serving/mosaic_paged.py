@@ -170,9 +170,9 @@ def prepare(q: jax.Array, q_len: jax.Array, kv_len: jax.Array,
   capped = {}
   if math.soft_cap is not None and cache.k_smooth is not None:
     # K smoothing's row shift q·k̄·scale (natural log), before the cap.
-    k_bar = jnp.repeat(cache.k_smooth, n // kh, axis=0)        # [N, H]
-    shift = jnp.einsum("btnh,nh->bnt", q.astype(jnp.float32), k_bar,
-                       precision=jax.lax.Precision.HIGHEST) * math.sm_scale
+    shift = quant.lse_shift(jnp.swapaxes(q, 1, 2),
+                            jnp.broadcast_to(cache.k_smooth, (b, kh, h)),
+                            math.sm_scale)                      # [B, N, T]
     capped["row_shift"] = _pad_to(shift, 2, t_pad)
   v_mean = None
   if cache.v_smooth is not None:
