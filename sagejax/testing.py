@@ -103,3 +103,10 @@ def assert_lse_near(got_lse, want_lse, atol: float = 2e-2) -> None:
   finite = np.isfinite(want_lse)
   np.testing.assert_array_equal(np.isfinite(got_lse), finite)
   np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=atol)
+
+
+def poison_device_memory(nbytes: int) -> None:
+  """Fills ``nbytes`` of device memory with NaN and frees it (XLA reuses
+  freed buffers), so that an output element a kernel forgets to write
+  reads as NaN."""
+  jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32).block_until_ready()

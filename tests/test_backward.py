@@ -569,14 +569,6 @@ def test_backward_lowers_for_cuda(layout, h, causal, masked, config, atomic):
 # --------------------------------------------------------------------------
 
 
-def _poison(nbytes: int = 2 ** 30):
-  """Fills freed device memory with NaN, so that output elements a kernel
-  forgets to write show up as NaN (XLA reuses freed buffers)."""
-  x = jnp.full((nbytes // 4,), jnp.nan, jnp.float32)
-  x.block_until_ready()
-  del x
-
-
 GPU_CASES = [
     # preset, causal, alignment, (B, T, S, N, K, H), lengths, kwargs
     ("sage2-8b", False, "top_left", (1, 8192, 8192, 4, 4, 128), False, {}),
@@ -627,7 +619,7 @@ def test_gpu_backward_matches_exact(preset, causal, align, shape, lengths,
     return pallas_triton.BACKEND.backward(
         call, config, do, jnp.zeros(lse.shape), saved, tiling=tiling)[:3]
 
-  _poison()
+  testing.poison_device_memory(2 ** 30)
   got = kernel_grads(q, k, v, do)
   want = jax.jit(lambda q, k, v, do: jax.grad(
       lambda q, k, v: jnp.sum(sagejax.attention(
@@ -663,7 +655,7 @@ def test_gpu_mask_bias_and_dbias(bias_shape, h):
       return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
     return jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, bias)
   want = grads("xla")
-  _poison()
+  testing.poison_device_memory(2 ** 30)
   got = grads("pallas")
   for g, w in zip(got, want):
     assert g.shape == w.shape and g.dtype == w.dtype

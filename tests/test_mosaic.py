@@ -154,7 +154,8 @@ def test_lowers_for_cuda(preset, layout, masks, h):
 
 @pytest.mark.parametrize("layout,shape,kwargs", [
     ("BTNH", (2, 1, 200, 300), dict(is_causal=True)),
-    ("BNTH", (1, 4, 200, 300), dict(key_value_seq_lengths=jnp.array([300, 99]))),
+    ("BNTH", (1, 4, 200, 300),
+     dict(key_value_seq_lengths=jnp.array([300, 99]))),
     ("BTNH", (2, 1, 1, 300), dict(logits_soft_cap=20.0))])
 def test_mask_arrays_lower_for_cuda(layout, shape, kwargs):
   """A mask array (broadcast over heads, batch or query rows) runs on the
@@ -507,10 +508,6 @@ def _case_kwargs(b, t, s, kwargs):
   return layout, kwargs
 
 
-def _poison(nbytes: int) -> None:
-  """Fill then free device memory: an output element never written by the
-  kernel then reads as NaN."""
-  jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32).block_until_ready()
 
 
 @gpu
@@ -524,7 +521,7 @@ def test_gpu_mosaic_matches_xla_and_exact(preset, shape, kwargs, kind):
   run = jax.jit(lambda q, k, v, impl: sagejax.attention(
       q, k, v, config=preset, implementation=impl, layout=layout,
       return_lse=True, **kwargs), static_argnums=3)
-  _poison(8 * q.size * 4)
+  testing.poison_device_memory(8 * q.size * 4)
   got, got_lse = run(q, k, v, "mosaic")
   want, want_lse = run(q, k, v, "xla")
   exact = sagejax.exact_attention(q, k, v, layout=layout, **kwargs)
@@ -575,7 +572,7 @@ def test_gpu_mosaic_mask_arrays(preset, shape, mask_shape, kwargs):
   run = jax.jit(lambda q, k, v, impl: sagejax.attention(
       q, k, v, mask=mask, config=preset, implementation=impl, layout=layout,
       return_lse=True, **kwargs), static_argnums=3)
-  _poison(8 * q.size * 4)
+  testing.poison_device_memory(8 * q.size * 4)
   got, got_lse = run(q, k, v, "mosaic")
   want, want_lse = run(q, k, v, "xla")
   exact = sagejax.exact_attention(q, k, v, mask=mask, layout=layout,
@@ -675,7 +672,7 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
   b, t, s, n, kh, h = 2, 768, 768, 4, 2, 128  # T: 6 CTAs of 2 or 4 of 3
   qkv, spec, lengths, want, want_lse, v_t = _kernel_case(
       config, (b, t, s, n, kh, h), "channel_bias", window)
-  _poison(b * n * t * h * 4 * 4)
+  testing.poison_device_memory(b * n * t * h * 4 * 4)
   got, got_lse = jax.jit(lambda *a: mosaic_attention.attention_forward(
       *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
       out_dtype=jnp.float32, k_scale_grouped=mosaic.k_scale_grouped(config),
@@ -709,7 +706,7 @@ def test_gpu_head_dim_256_kernel_matches_xla_arithmetic(part_cols, two_level,
   b, t, s, n, kh, h = 2, 640, 640, 4, 2, 256
   qkv, spec, lengths, want, want_lse, v_t = _kernel_case(
       config, (b, t, s, n, kh, h), "qkv_channel_bias", window)
-  _poison(b * n * t * h * 4 * 4)
+  testing.poison_device_memory(b * n * t * h * 4 * 4)
   got, got_lse = jax.jit(lambda *a: mosaic_attention.attention_forward(
       *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
       out_dtype=jnp.bfloat16, k_scale_grouped=mosaic.k_scale_grouped(config),
@@ -763,7 +760,7 @@ def test_gpu_kernel_quantizing_q_matches_xla_arithmetic(granularity, layout,
                                        "per_token": 1}[granularity]
   order = mosaic_attention.pv_key_order(qkv.k.shape[2])
   v_t = jnp.swapaxes(qkv.v[:, :, order], 2, 3)
-  _poison(b * n * t * h * 4 * 4)
+  testing.poison_device_memory(b * n * t * h * 4 * 4)
   got, got_lse = jax.jit(lambda *a: mosaic_attention.attention_forward(
       *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
       out_dtype=jnp.float32, out_layout="BNTH",
@@ -801,7 +798,7 @@ def test_gpu_16_bit_pv_with_v_in_place(layout, causal):
   run = jax.jit(lambda q, k, v, impl: sagejax.attention(
       q, k, v, config=config, implementation=impl, layout=layout,
       is_causal=causal), static_argnums=3)
-  _poison(8 * q.size * 4)
+  testing.poison_device_memory(8 * q.size * 4)
   got, want = run(q, k, v, "mosaic"), run(q, k, v, "xla")
   exact = sagejax.exact_attention(q, k, v, layout=layout, is_causal=causal)
   assert np.all(np.isfinite(np.asarray(got, np.float32)))
@@ -851,7 +848,7 @@ def test_gpu_forward_residual_lse2_matches_the_statistics_pass(causal):
         layout="BTNH")
     return lse, lse2, want
 
-  _poison(8 * q.size * 4)
+  testing.poison_device_memory(8 * q.size * 4)
   lse, lse2, want = jax.jit(run)(q, k, v)
   rows = np.broadcast_to(
       np.arange(t)[None, None, :] < np.asarray(q_lengths)[:, None, None],
@@ -1155,7 +1152,7 @@ def test_gpu_wide_kernels_match_exact(causal):
   delta = jnp.einsum("bqnh,bqnh->bnq", out, do.astype(jnp.float32))
   lengths = jnp.full((b,), t, jnp.int32)
   spec = MaskSpec(causal, "top_left", None, t, t)
-  _poison(8 * q.size * 4)
+  testing.poison_device_memory(8 * q.size * 4)
   got = jax.jit(lambda *a: mb.attention_backward(
       *a, jnp.zeros_like(lse), k_mean, spec, sm_scale=sm, layout="BTNH",
       q_lengths=lengths, kv_lengths=lengths,
@@ -1268,7 +1265,7 @@ def _mosaic_grads_vs_exact(shape, kwargs, stats, kind,
     return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
 
   want = grads("xla")
-  _poison(16 * q.size * 4)
+  testing.poison_device_memory(16 * q.size * 4)
   return grads("mosaic"), want
 
 
@@ -1464,7 +1461,7 @@ def test_gpu_backward_split_last_round(shape, layout, monkeypatch):
 
   def grads(impl, tiling=None):
     monkeypatch.setattr(mosaic.BACKEND, "backward_tiling", tiling)
-    _poison(16 * q.size * 4)
+    testing.poison_device_memory(16 * q.size * 4)
     return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
         sagejax.attention(q, k, v, layout=layout, implementation=impl
                           ).astype(jnp.float32) * do.astype(jnp.float32)),
@@ -1499,7 +1496,7 @@ def test_gpu_backward_takes_the_k_pass_centred_k(layout, causal,
       call, PRESETS["sage2-8b"].differentiated(q.dtype))
 
   def grads(impl):
-    _poison(16 * q.size * 4)
+    testing.poison_device_memory(16 * q.size * 4)
     return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
         sagejax.attention(q, k, v, layout=layout, is_causal=causal,
                           implementation=impl).astype(jnp.float32)

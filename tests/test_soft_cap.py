@@ -22,7 +22,8 @@ import sagejax.nnx as snnx
 from sagejax import PRESETS, SageConfig, _inputs
 from sagejax.backends import mosaic, pallas_triton, xla
 from sagejax.kernels import triton_attention
-from sagejax.testing import assert_lse_near, assert_near_oracle, error_metrics
+from sagejax.testing import (assert_lse_near, assert_near_oracle,
+                             error_metrics, poison_device_memory)
 
 ON_GPU = jax.default_backend() == "gpu"
 ON_HOPPER = ON_GPU and mosaic.is_hopper()
@@ -210,10 +211,6 @@ def test_flax_modules_take_the_cap(next_key):
     fn(q, q, q, dropout_rate=0.1, dropout_rng=next_key())
 
 
-def _poison(nbytes: int) -> None:
-  """Fill then free device memory: an output element never written by a
-  kernel then reads as NaN."""
-  jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32).block_until_ready()
 
 
 @pytest.mark.gpu
@@ -228,7 +225,7 @@ def test_gpu_soft_cap_matches_xla_and_exact(preset, impl, qkv, next_key):
   run = jax.jit(lambda q, k, v, impl: sagejax.attention(
       q, k, v, is_causal=True, config=preset, implementation=impl,
       logits_soft_cap=CAP, return_lse=True), static_argnums=3)
-  _poison(8 * q.size * 4)
+  poison_device_memory(8 * q.size * 4)
   got, got_lse = run(q, k, v, impl)
   want, want_lse = run(q, k, v, "xla")
   exact = sagejax.exact_attention(q, k, v, is_causal=True,
@@ -271,7 +268,7 @@ def test_gpu_mosaic_soft_cap_cases(preset, shape, cap, kwargs, qkv):
   run = jax.jit(lambda q, k, v, impl: sagejax.attention(
       q, k, v, config=preset, implementation=impl, layout=layout,
       logits_soft_cap=cap, return_lse=True, **kwargs), static_argnums=3)
-  _poison(8 * q.size * 4)
+  poison_device_memory(8 * q.size * 4)
   got, got_lse = run(q, k, v, "mosaic")
   want, want_lse = run(q, k, v, "xla")
   exact, exact_lse = sagejax.exact_attention(
