@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import sagejax
+
 DataKind = Literal["normal", "channel_bias", "qkv_channel_bias"]
 DATA_KINDS = ("normal", "channel_bias", "qkv_channel_bias")
 CHANNEL_BIAS = {
@@ -110,3 +112,15 @@ def poison_device_memory(nbytes: int) -> None:
   freed buffers), so that an output element a kernel forgets to write
   reads as NaN."""
   jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32).block_until_ready()
+
+
+def attention_grads(q, k, v, d_out, d_lse, **kwargs) -> tuple:
+  """(dQ, dK, dV) of ``sagejax.attention(q, k, v, return_lse=True,
+  **kwargs)`` under ``jax.jit(jax.grad)``, for the cotangents ``d_out``
+  (the output's shape) and ``d_lse`` (f32 ``[B, N, T]``; rows that see no
+  key, LSE −inf, left out)."""
+  def loss(q, k, v):
+    out, lse = sagejax.attention(q, k, v, return_lse=True, **kwargs)
+    return (jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+            + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse))
+  return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)

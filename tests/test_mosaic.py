@@ -10,6 +10,7 @@ GPU tests (marked ``gpu``) against the ``"xla"`` oracle and exact attention.
 """
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -584,6 +585,36 @@ def test_gpu_mosaic_mask_arrays(preset, shape, mask_shape, kwargs):
   testing.assert_lse_near(got_lse, want_lse)
   if mask_shape[2] > 1:                            # masked-out rows: −inf
     assert not np.isfinite(np.asarray(want_lse)).all()
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("shape,mask_shape,kwargs", [
+    ((2, 1000, 1200, 8, 2, 128), (2, 1, 1000, 1200), dict(is_causal=True)),
+    ((1, 777, 1030, 4, 4, 64), (1, 4, 777, 1030),
+     dict(lengths=True, layout="BNTH")),
+])
+def test_gpu_gradients_with_a_mask_array(shape, mask_shape, kwargs):
+  """jax.grad of a call with a mask array and no bias: the Mosaic training
+  forward (16-bit P·V, the mask streamed beside K, Q by the pass) and the
+  Triton backward on its saved output and LSE, against the exact FP32
+  gradients (cos > 0.999, the LSE's cotangent too); outputs poisoned."""
+  b, t, s, n, kh, h = shape
+  layout, kwargs = _case_kwargs(b, t, s, kwargs)
+  q, k, v = _data(b, t, s, n, kh, h, layout=layout)
+  mask = jax.random.bernoulli(jax.random.PRNGKey(t + s + 1), 0.7, mask_shape)
+  do = jax.random.normal(jax.random.PRNGKey(next(_seed)), q.shape, q.dtype)
+  u = jax.random.normal(jax.random.PRNGKey(next(_seed)), (b, n, t))
+  call = _inputs.parse(q, k, v, mask=mask, layout=layout, **kwargs)
+  diff = PRESETS["sage2-8b"].differentiated(q.dtype)
+  assert mosaic.BACKEND.unsupported(call, diff) is None
+  assert backends.backward_of("mosaic", call, diff).name == "pallas"
+
+  grads = functools.partial(testing.attention_grads, q, k, v, do, u,
+                            mask=mask, layout=layout, **kwargs)
+  want = grads(implementation="xla")
+  testing.poison_device_memory(16 * q.size * 4)
+  _check_grads(grads(implementation="mosaic"), want, 0.999)
 
 
 KERNEL_TILINGS = {
@@ -1255,18 +1286,11 @@ def _mosaic_grads_vs_exact(shape, kwargs, stats, kind,
       call, config.differentiated(q.dtype)) is None) == mosaic_backward
   u = jax.random.normal(jax.random.PRNGKey(next(_seed)), (b, n, t))
 
-  def grads(impl):
-    def loss(q, k, v):
-      out, lse = sagejax.attention(q, k, v, config=config, layout=layout,
-                                   implementation=impl, return_lse=True,
-                                   **kwargs)
-      return (jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
-              + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u))
-    return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
-
-  want = grads("xla")
+  grads = functools.partial(testing.attention_grads, q, k, v, do, u,
+                            config=config, layout=layout, **kwargs)
+  want = grads(implementation="xla")
   testing.poison_device_memory(16 * q.size * 4)
-  return grads("mosaic"), want
+  return grads(implementation="mosaic"), want
 
 
 # backward_stats="saved" after the FP8 forward (an option, not the default):
