@@ -15,7 +15,9 @@ times the shape's steps against each other by device time
 (:func:`sagejax.bench.device_time.interleaved`: one trace, R rounds of blocks of
 ``--calls`` calls, the steps in turn; host dispatch and synchronization
 stay out) and prints each step's median ms per call, with the ratio to its
-cuDNN counterpart.
+cuDNN counterpart. ``--soft-cap C`` caps the logits of the sagejax steps
+(cuDNN's have no cap); a step named ``...-uncapped`` (``train-uncapped``)
+is the sagejax step without it.
 """
 
 from __future__ import annotations
@@ -36,14 +38,17 @@ from sagejax import testing
 from sagejax.bench import device_time
 
 
-def step_fn(kind: str, causal: bool):
+def step_fn(kind: str, causal: bool, soft_cap: float | None = None):
   cudnn = kind.startswith("cudnn")
+  if kind.endswith("-uncapped"):
+    kind, soft_cap = kind[:-len("-uncapped")], None
 
   def attend(q, k, v):
     if cudnn:
       return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                           implementation="cudnn")
-    return sagejax.attention(q, k, v, is_causal=causal)
+    return sagejax.attention(q, k, v, is_causal=causal,
+                             logits_soft_cap=soft_cap)
 
   if kind.endswith("forward"):
     return jax.jit(lambda q, k, v, do: attend(q, k, v))
@@ -89,6 +94,8 @@ def main():
                       "this many rounds of --calls calls a step")
   p.add_argument("--no-kernels", action="store_true",
                  help="skip the per-kernel tables")
+  p.add_argument("--soft-cap", type=float, default=None,
+                 help="logits_soft_cap of the sagejax steps")
   args = p.parse_args()
   os.makedirs(args.out, exist_ok=True)
   rows, spans = [], []
@@ -99,7 +106,7 @@ def main():
     do = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.bfloat16)
     fns = {}
     for kind in args.steps.split(","):
-      fn = step_fn(kind, bool(causal))
+      fn = step_fn(kind, bool(causal), args.soft_cap)
       try:
         jax.block_until_ready(fn(q, k, v, do))
         jax.block_until_ready(fn(q, k, v, do))
@@ -149,7 +156,7 @@ def main():
       spans.append(dict(shape=shape, per_call_ms=per_call, median_ms=med))
   with open(os.path.join(args.out, "profile_step.json"), "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, rows=rows,
-                   interleaved=spans), f, indent=1)
+                   interleaved=spans, soft_cap=args.soft_cap), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -138,7 +138,8 @@ def _differentiated(static: _Static, call) -> _Static:
     backward = backends.backward_of(name, call, config)
     if backward is None:
       return name, config
-    config = config.differentiated(call.q.dtype)
+    config = config.differentiated(
+        call.q.dtype, soft_cap=call.logits_soft_cap is not None)
     reason = backends.registry()[name].unsupported(call, config)
     if reason is None:
       return name, config
@@ -340,8 +341,9 @@ def attention(
   ``config.backward_int8``); otherwise, and always after an ``"xla"``
   forward, the ``"xla"`` backward: FP32 with exactly recomputed statistics.
   With ``implementation=None`` the backward is chosen per platform with the
-  forward; a ``logits_soft_cap`` takes the ``"xla"`` backward. A forward
-  that a kernel backward follows runs with
+  forward; with a ``logits_soft_cap`` every backward carries dS back
+  through the cap (dX = dS ∘ (1 − tanh²)), the kernels on K unsmoothed.
+  A forward that a kernel backward follows runs with
   :meth:`SageConfig.differentiated` (``sage2-8b``: P·V in 16 bits, so that
   the backward can take its statistics from the forward). Gradients flow
   to ``query``, ``key``, ``value``, ``bias`` and through the returned LSE.

@@ -569,10 +569,25 @@ def soft_cap_base2(s: jax.Array, cap: float,
   ``s``) is :func:`lse_shift`, restoring what K smoothing removed, since the
   cap is not shift invariant. Pure ``jnp``: kernels call it on their tile.
   """
+  return (cap * LOG2E) * _capped_tanh(s, cap, row_shift)
+
+
+def soft_cap_base2_and_slope(s: jax.Array, cap: float,
+                             row_shift: Optional[jax.Array] = None
+                             ) -> tuple[jax.Array, jax.Array]:
+  """:func:`soft_cap_base2` and its slope ``1 − tanh²(x / cap)``: the
+  derivative of the capped logits by the uncapped ones (in either base),
+  with which the backward carries dS back to the logits before the cap.
+  Pure ``jnp``."""
+  t = _capped_tanh(s, cap, row_shift)
+  return (cap * LOG2E) * t, 1.0 - t * t
+
+
+def _capped_tanh(s, cap, row_shift):
   x = s * (LN2 / cap)
   if row_shift is not None:
     x = x + row_shift * (1.0 / cap)
-  return (cap * LOG2E) * jnp.tanh(x)
+  return jnp.tanh(x)
 
 
 def dequantize_qk(values: jax.Array, scale: jax.Array, config: SageConfig

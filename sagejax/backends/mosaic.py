@@ -14,7 +14,8 @@ Calls it does not serve (``unsupported`` says why, and ``implementation=None``
 then picks the ``"pallas"`` backend): ``bias`` arrays, ``mask`` arrays above
 H=128, head dims above 128 with FP32 inputs, a negative ``scale``. A
 ``logits_soft_cap`` is applied in the kernel (Q then quantized by the pass,
-for its row shifts); a ``mask`` array streams to it in tiles beside K.
+for its row shifts), and by its backward; a ``mask`` array streams to it in
+tiles beside K.
 
 Its backward (:mod:`sagejax.kernels.mosaic_backward`, 16-bit ``wgmma``)
 takes δ from the forward's saved output (``backward_stats="saved"``, and
@@ -26,8 +27,8 @@ dims above 128 (up to 256) run kernels whose consumers split the work by
 product, with saved statistics only. Calls it does not serve
 (``backward_unsupported``: FP32 inputs, the 8-bit backward, head dims
 above 128 recomputing the statistics) take the ``"pallas"`` backward
-kernels (and so do mask arrays); a soft cap, which neither kernel
-backward applies, the ``"xla"`` one.
+kernels (and so do mask arrays). With a soft cap the backward kernels take
+K unsmoothed and the LSE of the capped logits.
 """
 
 from __future__ import annotations
@@ -290,6 +291,7 @@ class _MosaicBackend:
     statistics and K smoothed by the k̄ the backward takes out too
     (:func:`sagejax.quant.sampled_mean` of the same tokens)."""
     return (config.saved_stats and config.smooth_k
+            and call.logits_soft_cap is None
             and self.backward_unsupported(call, config) is None)
 
   def centres_k(self, call: ParsedCall, config: SageConfig) -> bool:
@@ -333,9 +335,6 @@ class _MosaicBackend:
               "'pallas' backward serves others")
     if config.backward_int8:
       return "the 8-bit backward (backward_int8) runs in the 'pallas' kernels"
-    if call.logits_soft_cap is not None:
-      return ("the Hopper backward does not apply a logit soft cap; the "
-              "'xla' backward does")
     if call.mask is not None:
       return ("the Hopper backward takes no mask array; the 'pallas' "
               "backward does")
@@ -374,11 +373,19 @@ class _MosaicBackend:
 
     q_lengths = quant.valid_lengths(call.q_lengths, b, t)
     kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
+    cap = call.logits_soft_cap
     # K smoothed: dQ never multiplies a large mean (any fixed k̄ gives the
-    # same gradient: a sampled one, no pass over K). V smoothed when the dQ
-    # kernel makes the statistics: dP − δ is unchanged, but its sums do not
-    # cancel a large V mean.
-    if k_bar is not None:  # the forward's K pass made K − k̄
+    # same gradient: a sampled one, no pass over K); with a soft cap, which
+    # is not shift invariant, K as it is. V smoothed when the dQ kernel
+    # makes the statistics: dP − δ is unchanged, but its sums do not cancel
+    # a large V mean.
+    if cap is not None:
+      if k_bar is not None or saved_lse2:
+        raise ValueError("a soft-capped call's backward takes K and the "
+                         "LSE, not K − k̄ or lse₂.")
+      kc = pad_axis(pad_axis(call.k, 3, hp), t_ax, s_pad)
+      k_mean = jnp.zeros((b, kh, hp), f32)
+    elif k_bar is not None:  # the forward's K pass made K − k̄
       if not saved_lse2:
         raise ValueError("k_bar (K centred by the forward) goes with "
                          "saved_lse2.")
@@ -395,16 +402,24 @@ class _MosaicBackend:
       raise ValueError("saved_lse2 needs the saved output and lse₂.")
     if lse is None:  # the estimate jax.grad keeps: the quantized forward's
       lse = self.forward(call, config)[1]
-    # One pass over O, dO (and Q unless the forward kept lse₂): lse₂ of the
-    # smoothed logits (the LSE minus the row shift q·k̄) and δ =
-    # rowsum(dO ∘ O) − dLSE.
-    lse2, delta = triton_backward.saved_statistics(
-        None if saved_lse2 else q,
-        vec(lse, jnp.inf if saved_lse2 else -jnp.inf),
-        None if saved_lse2 else k_mean, q_lengths=q_lengths,
-        sm_scale=call.sm_scale, layout=layout,
-        out=None if out is None else pad(out), d_out=do,
-        d_lse=None if d_lse is None else vec(d_lse))
+    if cap is not None:  # lse₂ of the capped logits of K itself; δ from O
+      lse2 = vec(jnp.where(lse == -jnp.inf, jnp.inf, lse * quant.LOG2E),
+                 jnp.inf)
+      delta = None if out is None else triton_backward.saved_statistics(
+          None, lse2, None, q_lengths=q_lengths, sm_scale=call.sm_scale,
+          layout=layout, out=pad(out), d_out=do,
+          d_lse=None if d_lse is None else vec(d_lse))[1]
+    else:
+      # One pass over O, dO (and Q unless the forward kept lse₂): lse₂ of
+      # the smoothed logits (the LSE minus the row shift q·k̄) and δ =
+      # rowsum(dO ∘ O) − dLSE.
+      lse2, delta = triton_backward.saved_statistics(
+          None if saved_lse2 else q,
+          vec(lse, jnp.inf if saved_lse2 else -jnp.inf),
+          None if saved_lse2 else k_mean, q_lengths=q_lengths,
+          sm_scale=call.sm_scale, layout=layout,
+          out=None if out is None else pad(out), d_out=do,
+          d_lse=None if d_lse is None else vec(d_lse))
     dl = jnp.zeros_like(lse2) if d_lse is None else jnp.where(
         lse2 != jnp.inf, vec(d_lse), 0.0)  # a seen row (NaN kept)
     dq, dk, dv = mosaic_backward.attention_backward(
@@ -412,7 +427,7 @@ class _MosaicBackend:
         sm_scale=call.sm_scale, layout=layout, q_lengths=q_lengths,
         kv_lengths=kv_lengths, tiling=tiling,
         uniform_tiles=call.q_lengths is None and call.kv_lengths is None,
-        num_sms=sm_count())
+        num_sms=sm_count(), logits_soft_cap=cap)
     if layout == "BTNH":
       dq, dk, dv = dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
     else:

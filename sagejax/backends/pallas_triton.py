@@ -387,10 +387,7 @@ class _PallasTritonBackend:
 
   def backward_unsupported(self, call: ParsedCall, config: SageConfig
                            ) -> Optional[str]:
-    del config
-    if getattr(call, "logits_soft_cap", None) is not None:
-      return ("the backward kernels do not apply a logit soft cap; the 'xla' "
-              "backward does")
+    del call, config
     return None
 
   def backward(self, call: ParsedCall, config: SageConfig, d_out: jax.Array,
@@ -417,11 +414,16 @@ class _PallasTritonBackend:
 
     q_lengths = quant.valid_lengths(call.q_lengths, b, t)
     kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
-    # K smoothed (K − k̄) in its dtype; lse₂ of the smoothed logits.
-    kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
-    shift = quant.lse_shift(
-        quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
-        k_mean[..., :h], call.sm_scale)
+    cap = call.logits_soft_cap
+    if cap is None:  # K smoothed (K − k̄) in its dtype; lse₂ of its logits
+      kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
+      shift = quant.lse_shift(
+          quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
+          k_mean[..., :h], call.sm_scale)
+    else:  # capped logits are not shift invariant: K as it is
+      kc = pad(call.k, s_pad)
+      k_mean = jnp.zeros((b, kh, hp), jnp.float32)
+      shift = jnp.zeros((b, n, t), jnp.float32)
     q, v, do = pad(call.q, t_pad), pad(call.v, s_pad), pad(d_out, t_pad)
     vec = lambda x, value=0.0: pad_axis(x.astype(jnp.float32), 2, t_pad,
                                          value)
@@ -444,7 +446,7 @@ class _PallasTritonBackend:
         mask=_pairwise(call.mask, t_pad, s_pad, jnp.int8),
         bias=_pairwise(call.bias, t_pad, s_pad, None),
         dbias_shape=dbias_shape, int8=int8_ops, tiling=tiling,
-        interpret=self.interpret)
+        interpret=self.interpret, logits_soft_cap=cap)
     if layout == "BTNH":
       dq, dk, dv = dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
     else:

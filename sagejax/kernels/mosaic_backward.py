@@ -10,6 +10,9 @@ no key) and ``δ = rowsum(dO ∘ O) − dLSE`` (0 for such a row). With
   P = exp2(c·Q·Kᵀ − lse₂),  dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ∘ (dP − δ),
   dK = dSᵀ·Q·sm_scale,  dQ = dS·K·sm_scale.
 
+With a logit soft cap the logits are capped before the ``exp2`` and dS is
+carried back through the cap, dS ∘ (1 − tanh²) (K then unsmoothed).
+
 Two kernels, each with a TMA producer warpgroup feeding a shared-memory ring
 and two consumer warpgroups that own 64 rows each (one ``wgmma`` M tile) and
 run BF16/FP16 ``wgmma`` with FP32 accumulators:
@@ -305,6 +308,29 @@ def _visible(spec: MaskSpec, q_first, k_first, shape, q_len, kv_len, *,
   return spec.visible_at(queries, keys, q_len, kv_len)
 
 
+def _probabilities(s, c: float, lse, soft_cap: Optional[float],
+                   visible=None):
+  """(P = exp2(c·s − lse₂), the soft cap's slope or None) of a tile of raw
+  Q·Kᵀ sums ``s`` (either orientation), the logits capped first
+  (:func:`sagejax.quant.soft_cap_base2_and_slope`); both zero where
+  ``visible()`` (the tile's mask; None: all visible) is False. ``lse``:
+  lse₂ broadcast to the tile, or a function that makes it. (Both functions
+  are called where the kernels made their values before the cap existed,
+  so that uncapped programs lower as they did.)"""
+  x, slope = s * c, None
+  if callable(lse):
+    lse = lse()
+  if soft_cap is not None:
+    x, slope = quant.soft_cap_base2_and_slope(x, soft_cap)
+  p = jnp.exp2(x - lse)
+  if visible is not None:
+    seen = visible()
+    p = jnp.where(seen, p, 0.0)
+    if slope is not None:
+      slope = jnp.where(seen, slope, 0.0)
+  return p, slope
+
+
 def _stream_query_tiles(refs, smems, in_bar, free, *, stages: int, kv_head,
                         g: int, per, total, blocks, order: bool, bq: int,
                         layout: str, batch, after=None) -> None:
@@ -346,6 +372,7 @@ def attention_backward(
     kv_lengths: jax.Array,
     tiling: MosaicBackwardTiling = MosaicBackwardTiling(),
     uniform_tiles: bool = False, num_sms: int = 132,
+    logits_soft_cap: Optional[float] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """dQ, dK, dV of exact attention on padded 16-bit inputs.
 
@@ -370,6 +397,11 @@ def attention_backward(
       none), so that without a causal mask or window, and unpadded, every
       dK/dV tile does the same work (``tiling.split_last_round``).
     num_sms: the device's SMs, for ``tiling.split_last_round``'s plan.
+    logits_soft_cap: Gemma-2's cap ``c``: the logits ``x`` become
+      ``c·tanh(x / c)`` and dS is carried back through it (dX = dS ∘ (1 −
+      tanh²)). ``k`` must then be K itself (``k_mean`` zeros, ``lse2`` the
+      capped logits' base-2 LSE): the cap is not shift invariant, and the
+      rows of dX do not sum to dLSE.
 
   Returns:
     (dQ, dK, dV) in ``layout`` and the inputs' dtype, padded.
@@ -395,8 +427,12 @@ def attention_backward(
         f"MosaicBackwardTiling(fused_dq=True) needs block_q * H = "
         f"{2 * ROWS * ROWS}, got block_q={tiling.block_q}, H={h}: pass "
         f"block_q={2 * ROWS * ROWS // h} or fused_dq=False.")
+  if logits_soft_cap is not None and not logits_soft_cap > 0:
+    raise ValueError(f"logits_soft_cap={logits_soft_cap!r}: pass a float > 0 "
+                     "or None.")
   common = dict(spec=spec, c=sm_scale * quant.LOG2E, sm_scale=sm_scale,
-                layout=layout, tiling=tiling, dims=(b, n, t_pad, h, kh, s_pad))
+                layout=layout, tiling=tiling, dims=(b, n, t_pad, h, kh, s_pad),
+                soft_cap=logits_soft_cap)
   lengths = (q_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32))
   if h > WIDE_ABOVE_HEAD_DIM:
     dq = _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, *lengths,
@@ -482,6 +518,7 @@ def _place_parts(x: jax.Array, parts: jax.Array, layout: str) -> jax.Array:
 def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
           *, spec: MaskSpec, c: float, sm_scale: float, layout: str,
           tiling: MosaicBackwardTiling, dims,
+          soft_cap: Optional[float] = None,
           split: Optional[tuple[int, int]] = None):
   """dK, dV; with ``dq_acc`` (a zeroed f32 ref shaped like ``q``) also adds
   every CTA's ``dS·K`` into it by TMA reduce-add.
@@ -596,11 +633,14 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
                                    (ROWS, bq), [1])
         dl = lax.broadcast_in_dim(load_all(dl_smem.at[slot], col_layout),
                                   (ROWS, bq), [1])
-        p_t = jnp.exp2(s_t * c - lse)
-        if masked:
-          p_t = jnp.where(_visible(spec, i * bq, k0, (ROWS, bq), q_len,
-                                   kv_len, keys_on_rows=True), p_t, 0.0)
-        ds_t = (p_t * (dp_t - dl)).astype(dtype)
+        p_t, slope = _probabilities(
+            s_t, c, lse, soft_cap,
+            (lambda: _visible(spec, i * bq, k0, (ROWS, bq), q_len, kv_len,
+                              keys_on_rows=True)) if masked else None)
+        ds_t = p_t * (dp_t - dl)
+        if slope is not None:  # back to the logits before the cap
+          ds_t = ds_t * slope
+        ds_t = ds_t.astype(dtype)
         if fused:  # both consumers' dSᵀ rows in shared memory (2 buffers)
           buf = lax.rem(n_step, jnp.int32(2))
           ds_smem.at[buf, own][...] = ds_t
@@ -793,7 +833,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
 
 def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
                spec: MaskSpec, c: float, sm_scale: float, layout: str,
-               tiling: MosaicBackwardTiling, dims):
+               tiling: MosaicBackwardTiling, dims,
+               soft_cap: Optional[float] = None):
   """dK, dV for head dims above 128, δ given, split by product: a CTA owns
   64 keys; consumer 0 makes Sᵀ = K·Qᵀ and Pᵀ, leaves Pᵀ in shared memory
   and adds Pᵀ·dO into dV; consumer 1 makes dPᵀ = V·dOᵀ and, with that Pᵀ,
@@ -841,12 +882,15 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
               k_smem, q_smem.at[slot].transpose((1, 0))))
           lse = lax.broadcast_in_dim(load_all(lse_smem.at[slot], col_layout),
                                      (ROWS, bq), [1])
-          p_t = jnp.exp2(s_t * c - lse)
-          if masked:
-            p_t = jnp.where(_visible(spec, i * bq, k0, (ROWS, bq), q_len,
-                                     kv_len, keys_on_rows=True), p_t, 0.0)
+          p_t, slope = _probabilities(
+              s_t, c, lse, soft_cap,
+              (lambda: _visible(spec, i * bq, k0, (ROWS, bq), q_len,
+                                kv_len, keys_on_rows=True))
+              if masked else None)
           p16 = p_t.astype(dtype)
-          _hand_over(p16, pt_smem, pt_free, pt_ready, n_step=n_step, buf=buf)
+          # Consumer 1's dSᵀ = this ∘ (dPᵀ − δ): capped, Pᵀ ∘ slope.
+          _hand_over(p16 if slope is None else (p_t * slope).astype(dtype),
+                     pt_smem, pt_free, pt_ready, n_step=n_step, buf=buf)
           acc = _product(acc, lambda: (p16, do_smem.at[slot]))
         else:  # dPᵀ = V·dOᵀ, dSᵀ; dK += dSᵀ·Q
           dp_t = _product(zeros, lambda: (
@@ -912,7 +956,8 @@ def _dkdv_wide(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, *,
 
 def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
              kv_lengths, *, spec: MaskSpec, c: float, sm_scale: float,
-             layout: str, tiling: MosaicBackwardTiling, dims):
+             layout: str, tiling: MosaicBackwardTiling, dims,
+             soft_cap: Optional[float] = None):
   """dQ for head dims above 128, δ given, split by product: a CTA owns 64
   query rows of one head and the producer streams the 64-key K and V tiles
   they see; consumer 0 makes S = Q·Kᵀ and P and leaves P in shared memory;
@@ -965,10 +1010,13 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
         if c_ == 0:  # S = Q·Kᵀ, P
           s = _product(zeros, lambda: (
               rows_smem.at[0], k_smem.at[slot].transpose((1, 0))))
-          p = jnp.exp2(s * c - row_vec)
-          if masked:
-            p = jnp.where(_visible(spec, row0, j * bkv, (ROWS, bkv), q_len,
-                                   kv_len, keys_on_rows=False), p, 0.0)
+          p, slope = _probabilities(
+              s, c, row_vec, soft_cap,
+              (lambda: _visible(spec, row0, j * bkv, (ROWS, bkv), q_len,
+                                kv_len, keys_on_rows=False))
+              if masked else None)
+          if slope is not None:  # consumer 1's dS = this ∘ (dP − δ)
+            p = p * slope
           _hand_over(p.astype(dtype), p_smem, p_free, p_ready,
                      n_step=n_step, buf=buf)
         else:  # dP = dO·Vᵀ, dS, dQ += dS·K
@@ -1045,7 +1093,8 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
 
 def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
         *, spec: MaskSpec, c: float, sm_scale: float, layout: str,
-        tiling: MosaicBackwardTiling, dims, stats_only: bool = False):
+        tiling: MosaicBackwardTiling, dims, soft_cap: Optional[float] = None,
+        stats_only: bool = False):
   """dQ; with ``delta=None`` also the exact (lse₂, δ): ``lse2`` is then an
   estimate (e.g. the quantized forward's) that the row sums correct.
   ``stats_only``: (lse₂, δ) alone (two products per tile, no dQ)."""
@@ -1115,21 +1164,25 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
             (q_smem.at[wg], k_smem.at[slot].transpose((1, 0))),
             (do_smem.at[wg], v_smem.at[slot].transpose((1, 0))),
             bkv)
-        p = jnp.exp2(s * c - rows_of(lse))
-        if masked:
-          p = jnp.where(_visible(spec, row0, j * bkv, (ROWS, bkv), q_len,
-                                 kv_len, keys_on_rows=False), p, 0.0)
+        p, slope = _probabilities(
+            s, c, lambda: rows_of(lse), soft_cap,
+            (lambda: _visible(spec, row0, j * bkv, (ROWS, bkv), q_len,
+                              kv_len, keys_on_rows=False))
+            if masked else None)
+        # dX = P̂ (dP − δ) ∘ slope: capped, the products weigh P̂ by it.
+        pw = p if slope is None else p * slope
         if stats_only:  # the row sums of P̂ and P̂·dP
           l, pdp_sum = carry
           carry = (l + p.sum(axis=1), pdp_sum + (p * dp).sum(axis=1))
         elif exact:  # Σ P̂·dP·K and Σ P̂·K, with the row sums of P̂ and P̂·dP
           dq, pk, l, pdp_sum = carry
           pdp = p * dp
+          pwdp = pdp if slope is None else pw * dp
 
           def grad(refs):
             dq_ref_, pk_ref = refs
-            plgpu.wgmma(dq_ref_, pdp.astype(dtype), k_smem.at[slot])
-            plgpu.wgmma(pk_ref, p.astype(dtype), k_smem.at[slot])
+            plgpu.wgmma(dq_ref_, pwdp.astype(dtype), k_smem.at[slot])
+            plgpu.wgmma(pk_ref, pw.astype(dtype), k_smem.at[slot])
 
           l = l + p.sum(axis=1)
           pdp_sum = pdp_sum + pdp.sum(axis=1)
@@ -1137,7 +1190,7 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
                                        plgpu.ACC.init(pk)))
           carry = (dq, pk, l, pdp_sum)
         else:  # dQ += dS·K
-          ds = p * (dp - rows_of(dl))
+          ds = pw * (dp - rows_of(dl))
 
           def grad(acc_ref):
             plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])

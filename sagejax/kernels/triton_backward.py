@@ -14,7 +14,10 @@ rounding error of dS or δ: without it dQ on channel-biased K has cosine
 0.46–0.9 to the exact gradient even with δ from the exact output rounded to
 bf16 (benchmarks/NOTES.md). So every kernel takes K smoothed — K − k̄ in 16
 bits, or INT8-quantized after smoothing — and lse₂ of the smoothed logits
-(the true LSE minus the row shift q·k̄·sm_scale).
+(the true LSE minus the row shift q·k̄·sm_scale). With a logit soft cap
+(s capped to c·log2 e·tanh(s·ln 2 / c)) dS is carried back through it, dX =
+dS ∘ (1 − tanh²), and K comes unsmoothed: the rows of dX do not sum to
+dLSE.
 
 Kernels (all read and write the caller's layout ``[B, T, N, H]`` or ``[B, N,
 T, H]`` in place through their BlockSpecs):
@@ -151,8 +154,12 @@ def _dot(a, b, trans_a=False, trans_b=False):
   return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b)
 
 
-def _logits(q, k, q_scale, k_scale, c: float, bias, ok):
-  """Base-2 logits of a tile; ``q_scale``/``k_scale`` for INT8 operands."""
+def _logits(q, k, q_scale, k_scale, c: float, bias, ok,
+            soft_cap: Optional[float] = None):
+  """(Base-2 logits of a tile, the soft cap's slope or None);
+  ``q_scale``/``k_scale`` for INT8 operands. With ``soft_cap`` the logits
+  are capped (:func:`sagejax.quant.soft_cap_base2_and_slope`) before the
+  masks."""
   if q_scale is None:
     s = _dot(q, k, trans_b=True) * c
   else:
@@ -160,9 +167,14 @@ def _logits(q, k, q_scale, k_scale, c: float, bias, ok):
          * (q_scale * c)[:, None] * k_scale[None, :])
   if bias is not None:
     s = s + bias.astype(jnp.float32) * quant.LOG2E
+  slope = None
+  if soft_cap is not None:
+    s, slope = quant.soft_cap_base2_and_slope(s, soft_cap)
   if ok is not None:
     s = jnp.where(ok, s, -_INF)
-  return s
+    if slope is not None:  # (a masked NaN key: no NaN slope)
+      slope = jnp.where(ok, slope, 0.0)
+  return s, slope
 
 
 def _visible(spec: MaskSpec, rows, cols, q_len, kv_len, mask):
@@ -174,9 +186,10 @@ def _visible(spec: MaskSpec, rows, cols, q_len, kv_len, mask):
 
 def _key_tile(j, block_k: int, q, q_scale, k_ref, ks_ref, v_ref, c: float,
               bias_ref, mask_ref, spec: MaskSpec, rows, q_len, kv_len,
-              masked: bool):
+              masked: bool, soft_cap: Optional[float]):
   """KV block ``j`` of a query tile's loop: ((K, its INT8 scales or None),
-  V, the tile's base-2 logits, masked when ``masked``)."""
+  V, (the tile's base-2 logits, masked when ``masked``, and the soft cap's
+  slope or None))."""
   start = pl.multiple_of(j * block_k, block_k)
   k = k_ref[pl.ds(start, block_k), :]
   v = v_ref[pl.ds(start, block_k), :]
@@ -187,7 +200,8 @@ def _key_tile(j, block_k: int, q, q_scale, k_ref, ks_ref, v_ref, c: float,
     mask = None if mask_ref is None else mask_ref[:, pl.ds(start, block_k)]
     ok = _visible(spec, rows, start + jnp.arange(block_k), q_len, kv_len,
                   mask)
-  return (k, k_scale), v, _logits(q, k, q_scale, k_scale, c, bias, ok)
+  return (k, k_scale), v, _logits(q, k, q_scale, k_scale, c, bias, ok,
+                                  soft_cap)
 
 
 # ----------------------------------------------------------------------------
@@ -303,7 +317,7 @@ def saved_statistics(q: Optional[jax.Array], lse: jax.Array,
 def _stats_kernel(q_ref, k_ref, v_ref, do_ref, dlse_ref, mask_ref, bias_ref,
                   ql_ref, kl_ref, lse2_ref, delta_ref, *, spec: MaskSpec,
                   block_q: int, block_k: int, c: float, num_kv_blocks: int,
-                  all_masked: bool, q_block_of):
+                  all_masked: bool, q_block_of, soft_cap: Optional[float]):
   """Exact lse₂ and δ: a forward over the visible key blocks whose output
   stays in registers (FP32) and is only dotted with dO."""
   i = q_block_of(pl.program_id(0))
@@ -316,8 +330,9 @@ def _stats_kernel(q_ref, k_ref, v_ref, do_ref, dlse_ref, mask_ref, bias_ref,
 
   def body(j, carry, masked: bool):
     acc, m, l = carry
-    _, v, s = _key_tile(j, block_k, q, None, k_ref, None, v_ref, c, bias_ref,
-                        mask_ref, spec, rows, q_len, kv_len, masked)
+    _, v, (s, _) = _key_tile(j, block_k, q, None, k_ref, None, v_ref, c,
+                             bias_ref, mask_ref, spec, rows, q_len, kv_len,
+                             masked, soft_cap)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_use = jnp.where(m_new == -_INF, 0.0, m_new)
     alpha = jnp.exp2(m - m_use)
@@ -352,7 +367,7 @@ def _dkdv_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_ref,
                  block_q: int, block_k: int, groups: int, sm_scale: float,
                  num_q_blocks: int, all_masked: bool, int8: bool,
                  dbias_heads: bool, dbias_batch: bool, interpret: bool,
-                 unmasked_first: bool = False):
+                 soft_cap: Optional[float], unmasked_first: bool = False):
   del dq_in_ref, dbias_in_ref  # aliased to dq_ref, dbias_ref (zeros)
   j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q_len, kv_len = ql_ref[...], kl_ref[...]
@@ -381,10 +396,12 @@ def _dkdv_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_ref,
       mask = None if mask_ref is None else mask_ref[gm, pl.ds(r, block_q), :]
       ok = _visible(spec, r + jnp.arange(block_q), cols, q_len, kv_len, mask)
     q_scale = _rows(qs_ref, q_layout, g, r, block_q) if int8 else None
-    s = _logits(q, k, q_scale, k_scale, c, bias, ok)
+    s, slope = _logits(q, k, q_scale, k_scale, c, bias, ok, soft_cap)
     p = jnp.exp2(s - lse2[:, None])
     dp = _dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
+    if slope is not None:  # back to the logits before the cap
+      ds = ds * slope
     if int8:
       p8, p_scale = _quantize_tile(p, interpret)
       do8 = _rows(do8_ref, q_layout, g, r, block_q)
@@ -445,7 +462,7 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
                kl_ref, dq_ref, *, spec: MaskSpec, block_q: int, block_k: int,
                sm_scale: float, num_kv_blocks: int, all_masked: bool,
                int8: bool, q_block_of, interpret: bool,
-               unmasked_first: bool = False):
+               soft_cap: Optional[float], unmasked_first: bool = False):
   i = q_block_of(pl.program_id(0))
   q_len, kv_len = ql_ref[...], kl_ref[...]
   q_first = i * block_q
@@ -460,12 +477,14 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
   c = sm_scale * quant.LOG2E
 
   def body(j, dq, masked: bool):
-    (k, k_scale), v, s = _key_tile(j, block_k, q, q_scale, k_ref, ks_ref,
-                                   v_ref, c, bias_ref, mask_ref, spec, rows,
-                                   q_len, kv_len, masked)
+    (k, k_scale), v, (s, slope) = _key_tile(
+        j, block_k, q, q_scale, k_ref, ks_ref, v_ref, c, bias_ref, mask_ref,
+        spec, rows, q_len, kv_len, masked, soft_cap)
     p = jnp.exp2(s - lse2[:, None])
     dp = _dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
+    if slope is not None:  # back to the logits before the cap
+      ds = ds * slope
     if int8:
       ds8, ds_scale = _quantize_tile(ds, interpret)
       return dq + _dot(ds8, k).astype(jnp.float32) * (
@@ -509,6 +528,7 @@ def attention_backward(
     bias: Optional[jax.Array] = None, dbias_shape=None,
     int8: Optional[Int8Operands] = None,
     tiling: BackwardTiling = BackwardTiling(), interpret: bool = False,
+    logits_soft_cap: Optional[float] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Optional[jax.Array]]:
   """Gradients of attention w.r.t. Q, K, V (and the bias), on padded inputs.
 
@@ -530,6 +550,11 @@ def attention_backward(
     dbias_shape: the bias's ``[B|1, N|1, T|1, S|1]`` shape (padded T/S) to
       return its gradient in; None for no bias gradient.
     int8: SageBwd's INT8 operands (see :func:`quantize_int8`), or None.
+    logits_soft_cap: Gemma-2's cap ``c`` (natural-log logits x, after the
+      bias, become ``c·tanh(x / c)`` before the masks), or None. With a cap
+      ``k`` must not be smoothed (``k_mean`` and ``lse_shift`` zeros, ``d_lse``
+      None or with a zero ``k_mean``): the rows of dX = dS ∘ (1 − tanh²)
+      do not sum to dLSE, so no K mean can be taken out of dQ.
 
   Returns:
     (dq, dk, dv in the inputs' layout and dtypes, padded; dbias f32 in
@@ -590,7 +615,7 @@ def attention_backward(
     kernel = functools.partial(
         _stats_kernel, spec=spec, block_q=bq2, block_k=bk2,
         c=sm_scale * quant.LOG2E, num_kv_blocks=nk2, all_masked=all_masked,
-        q_block_of=i2)
+        q_block_of=i2, soft_cap=logits_soft_cap)
     lse2, delta = pl.pallas_call(
         kernel, grid=grid2,
         in_specs=[q_blk, kv_full, kv_full, q_blk,
@@ -675,7 +700,8 @@ def attention_backward(
       all_masked=all_masked, int8=int8 is not None,
       dbias_heads=dbias_shape is not None and dbias_shape[1] > 1,
       dbias_batch=dbias_shape is not None and dbias_shape[0] > 1,
-      interpret=interpret, unmasked_first=tiling.unmasked_first)
+      interpret=interpret, soft_cap=logits_soft_cap,
+      unmasked_first=tiling.unmasked_first)
   dk, dv, dq_acc, dbias = pl.pallas_call(
       kernel, grid=(nk, b, kh), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, input_output_aliases=aliases,
@@ -695,7 +721,7 @@ def attention_backward(
   kernel = functools.partial(
       _dq_kernel, spec=spec, block_q=bq2, block_k=bk2, sm_scale=sm_scale,
       num_kv_blocks=nk2, all_masked=all_masked, int8=int8 is not None,
-      q_block_of=i2, interpret=interpret,
+      q_block_of=i2, interpret=interpret, soft_cap=logits_soft_cap,
       unmasked_first=tiling.unmasked_first)
   if int8 is not None:
     q8_blk = pl.BlockSpec((None, None, bq2, h),
