@@ -631,7 +631,7 @@ def test_mosaic_extend_selection(monkeypatch, next_key):
   assert pick(quant_cache, dataclasses.replace(math, soft_cap=5.0), False, t,
               None) == "mosaic"                                   # extend
   assert pick(quant_cache, dataclasses.replace(math, soft_cap=5.0), True, 1,
-              None) == "pallas"                                   # decode
+              None) == "pallas"   # decode: P̃ in FP16 here (Mosaic: FP8)
   assert pick(quant_cache, math, False, t,
               serving.PagedTiling()) == "pallas"
   assert pick(quant_cache, math, False, 1, MosaicTiling()) == "mosaic"
@@ -648,11 +648,6 @@ def test_mosaic_extend_selection(monkeypatch, next_key):
   serving.extend_attention(jnp.ones((4, t, 4, 64)), quant_cache, table, lens)
   assert picked == ["pallas", "mosaic"]
   q = jnp.ones((1, 4, 1, 64))
-  with pytest.raises(ValueError, match="soft-cap"):  # the decode kernel
-    serving.decode_attention(q[:, 0], quant_cache,
-                             jnp.zeros((1, 4), jnp.int32),
-                             jnp.full((1,), 4, jnp.int32),
-                             implementation="mosaic", logits_soft_cap=5.0)
   for kwargs, match in (
       (dict(implementation="pallas", tiling=MosaicTiling()), "PagedTiling"),
       (dict(implementation="mosaic", interpret=True), "interpreter")):
@@ -712,10 +707,12 @@ def test_mosaic_decode_selection_and_errors(monkeypatch):
   assert pick(cache64, math, True, 1, None) == "mosaic"
   assert pick(cache64, math, True, 1, DecodeTiling()) == "mosaic"
   assert pick(plain, math, True, 1, None) == "mosaic"     # bf16 pages
+  capped = dataclasses.replace(math, soft_cap=5.0)   # the kernel caps
+  assert pick(cache64, capped, True, 1, None) == "mosaic"
+  assert pick(plain, capped, True, 1, None) == "mosaic"
   for cache, m, tiling in (
       (cache16, math, None), (plain32, math, None), (plain_f32, math, None),
       (cache64, dataclasses.replace(math, pv_dtype="fp16"), None),
-      (cache64, dataclasses.replace(math, soft_cap=5.0), None),
       (cache64, math, serving.PagedTiling())):
     assert pick(cache, m, True, 1, tiling) == "pallas"
   assert attention_lib._select(None, False, jnp.ones((1, 1, 130, 64)),
@@ -902,19 +899,21 @@ def test_mosaic_decode_inputs(monkeypatch, next_key, quantized, window,
   assert np.all(np.isfinite(np.delete(got, 3, 0)))
 
 
-@pytest.mark.parametrize("ps,h,g,window,splits,quantized,kh", [
-    (32, 64, 4, None, 1, True, 2), (32, 64, 4, None, 2, True, 2),
-    (64, 128, 4, None, 1, True, 2), (128, 128, 1, 300, 1, True, 2),
-    (64, 64, 8, 100, 3, True, 2), (64, 128, 20, None, 1, True, 2),
-    (128, 64, 3, None, 1, True, 1), (64, 128, 4, None, 1, False, 2),
-    (128, 64, 8, 200, 2, False, 2)])
+@pytest.mark.parametrize("ps,h,g,window,splits,quantized,kh,cap", [
+    (32, 64, 4, None, 1, True, 2, None), (32, 64, 4, None, 2, True, 2, 5.0),
+    (64, 128, 4, None, 1, True, 2, None), (128, 128, 1, 300, 1, True, 2, 30.),
+    (64, 64, 8, 100, 3, True, 2, None), (64, 128, 20, None, 1, True, 2, 5.0),
+    (128, 64, 3, None, 1, True, 1, None), (64, 128, 4, None, 1, False, 2,
+                                           None),
+    (128, 64, 8, 200, 2, False, 2, 5.0)])
 def test_mosaic_decode_lowers_for_cuda(monkeypatch, ps, h, g, window, splits,
-                                       quantized, kh):
+                                       quantized, kh, cap):
   """The Mosaic decode kernel lowers for CUDA on the CPU (layouts, wgmma
   operands, the in-kernel Q quantization and merge, the shared-memory
   budget of its default ring): one split (merged in the kernel) or
   several (merged in a CTA cluster), 8-bit or 16-bit pages, fewer query
-  heads than a ``wgmma`` N. One launch and no state outside the call (no
+  heads than a ``wgmma`` N, a logit soft cap (with K smoothing's per-head
+  shift on 8-bit pages). One launch and no state outside the call (no
   zeroed global buffer aliased into the kernel)."""
   from sagejax.serving import attention as attention_lib
   monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
@@ -928,7 +927,7 @@ def test_mosaic_decode_lowers_for_cuda(monkeypatch, ps, h, g, window, splits,
   tiling = serving.DecodeTiling(num_splits=splits)
   lowered = jax.jit(lambda q, c, t, l: serving.decode_attention(
       q, c, t, l, local_window_size=window, implementation="mosaic",
-      tiling=tiling)).trace(q, cache, table, lens).lower(
+      tiling=tiling, logits_soft_cap=cap)).trace(q, cache, table, lens).lower(
           lowering_platforms=("cuda",))
   text = lowered.as_text()
   assert text.count("mosaic_gpu") >= 1
@@ -1064,7 +1063,11 @@ def _check_non_finite(key, quantized, impls, *, page_size, head_dim, dtype):
     (128, 64, 16, None, dict(num_splits=1, num_consumers=4, num_ctas=5)),
     (64, 64, 2, None, dict(num_splits=1, num_ctas=4)),
     (128, 64, 4, None, dict(num_splits=4, merge_splits=False)),
-    (128, 32, 8, None, dict(num_splits=3, num_ctas=5, q_f32=True))])
+    (128, 32, 8, None, dict(num_splits=3, num_ctas=5, q_f32=True)),
+    (128, 64, 4, None, dict(cap=5.0)),
+    (64, 128, 8, 700, dict(quantized=False, cap=5.0)),
+    (128, 32, 8, None, dict(num_splits=3, merge_splits=False, cap=30.0)),
+    (64, 64, 20, None, dict(num_splits=1, num_consumers=3, cap=5.0))])
 def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   """The Mosaic decode, compiled, device memory poisoned first, on INT8/FP8
   and bf16 pages: lengths 4100, 1000, 65, 64, 63, 17 and 1 (partly filled
@@ -1073,20 +1076,23 @@ def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   reference (same FP8 P̃ and normalization blocks) and dense attention over
   the cache's dequantized tokens. Splits merged in the kernel (a cluster of
   CTAs per sequence, fewer clusters than sequences too) and by XLA
-  (``merge_splits=False``). A page id outside the pool, or a length out of
+  (``merge_splits=False``); with a logit soft cap (K smoothing's per-head
+  shift on 8-bit pages). A page id outside the pool, or a length out of
   range, gives NaN for its sequence only."""
   from sagejax.kernels import mosaic_decode
   from sagejax.kernels.mosaic_decode import DecodeTiling
   tiling = dict(tiling)
   quantized = tiling.pop("quantized", True)
   q_dtype = jnp.float32 if tiling.pop("q_f32", False) else jnp.bfloat16
+  cap = tiling.pop("cap", None)
   lens = [4100, 1000, 65, 64, 63, 17, 1]
   sc = _scenario(next_key(), lens, [1] * len(lens), kh=2, g=g, h=h, ps=ps,
                  quantized=quantized, dtype=jnp.bfloat16)
   q = sc["q"][:, 0].astype(q_dtype)
   k_deq, v_deq = _dequantized(sc)
   ones = jnp.ones(len(lens), jnp.int32)
-  seen = _dense(q[:, None], k_deq, v_deq, ones, sc["kv_len"], window)[:, 0]
+  seen = _dense(q[:, None], k_deq, v_deq, ones, sc["kv_len"], window,
+                cap)[:, 0]
   cache = sc["cache"]
   table = np.asarray(sc["table"])
   for b, n in enumerate(lens):   # stale entries of each last page
@@ -1110,7 +1116,7 @@ def test_gpu_mosaic_decode_matches_xla(next_key, h, ps, g, window, tiling):
   def run(impl, table, lens=sc["kv_len"]):
     return serving.decode_attention(
         q, cache, table, lens, local_window_size=window,
-        config=config, implementation=impl,
+        config=config, implementation=impl, logits_soft_cap=cap,
         tiling=tiling if impl == "mosaic" else block)
 
   jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()  # poison

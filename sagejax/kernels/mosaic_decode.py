@@ -45,6 +45,10 @@ shared between calls). Otherwise the partials go out for the caller's
 merge. A sequence whose length is out of range or whose pages include an id
 outside the pool gives NaN.
 
+A logit soft cap takes each step's base-2 logits (head scale in, K
+smoothing's per-head shift added back) through c·tanh(x / c) before the
+masks and the maxima.
+
 16-bit pages (``k_scales`` None: bf16/fp16 K and V ``[page_size, H]``, pages
 of 64 or 128) take the same path with 16-bit products: Q in the pages'
 dtype, V transposed as the A operand (16-bit operands may be), P in the
@@ -576,7 +580,9 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
                    kv_len: jax.Array, *, sm_scale: float,
                    window: Optional[int] = None, num_splits: int = 1,
                    v_smooth: Optional[jax.Array] = None, out_dtype=None,
-                   tiling: DecodeTiling = DecodeTiling()
+                   tiling: DecodeTiling = DecodeTiling(),
+                   logits_soft_cap: Optional[float] = None,
+                   row_shift: Optional[jax.Array] = None
                    ) -> tuple[jax.Array, Optional[jax.Array]]:
   """Runs the decode kernel.
 
@@ -599,6 +605,13 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
       key (by the kernel when it writes the final output, else by the
       caller's merge).
     out_dtype: the merged output's dtype (one split); default ``q``'s.
+    logits_soft_cap: Gemma-2's cap ``c``: the natural-log logits (plus
+      ``row_shift``) become ``c·tanh(x / c)`` before the masks
+      (:func:`sagejax.quant.soft_cap_base2`, ``tanh.approx``), or None.
+    row_shift: f32 ``[B, N]``, what K smoothing took out of each head's
+      logits (q·k̄·sm_scale, natural log: :func:`sagejax.quant.lse_shift`),
+      added back before the cap; None: none taken out. Only with
+      ``logits_soft_cap``.
 
   Returns:
     ``(out, None)`` when the kernel writes the final output (one split, or
@@ -660,6 +673,17 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
                         k_pages.dtype or v_scales is not None):
     raise ValueError("16-bit pages: k_pages and v_pages [K, P, page_size, "
                      "H] of one 16-bit dtype, q in it, no scales.")
+  if logits_soft_cap is not None and not logits_soft_cap > 0:
+    raise ValueError(f"logits_soft_cap={logits_soft_cap!r}: pass a float > 0 "
+                     "or None.")
+  if row_shift is not None and (logits_soft_cap is None
+                                or row_shift.shape != (b, n)):
+    raise ValueError(f"row_shift (f32 [B, N] = {(b, n)}) goes with "
+                     f"logits_soft_cap only, got {row_shift.shape}.")
+  cap = None if logits_soft_cap is None else float(logits_soft_cap)
+  if row_shift is not None:   # [B, K, MAX_GROUPS]: a copy of 128 bytes
+    row_shift = jnp.pad(row_shift.astype(jnp.float32).reshape(b, kh, groups),
+                        ((0, 0), (0, 0), (0, MAX_GROUPS - groups)))
   if n < nq:   # a TMA box of NQ query rows must fit in N
     q = jnp.pad(q, ((0, 0), (0, nq - n), (0, 0)))
   page_dtype = k_pages.dtype
@@ -679,6 +703,7 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
     v_ref, vs_ref = refs.pop(0), (refs.pop(0) if quantized else None)
     pt_ref, kl_ref = refs.pop(0), refs.pop(0)
     vm_ref = refs.pop(0) if v_smooth is not None else None
+    rs_ref = refs.pop(0) if row_shift is not None else None
     out_ref = refs.pop(0)
     lse_ref = None if final else refs.pop(0)
     part_ref = part_lse_ref = None
@@ -686,7 +711,8 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
       part_ref, part_lse_ref = refs.pop(0), refs.pop(0)
     scratch = refs.pop(0)
     (qx_smem, q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, p_smem,
-     o_smem, lse_smem, x_smem, out_smem, vm_smem, flag_smem) = scratch[0]
+     o_smem, lse_smem, x_smem, out_smem, vm_smem, flag_smem,
+     rs_smem) = scratch[0]
     (q_bar, q_free, full, free, part_bar, part_free, flag_bar,
      split_bars) = scratch[1:]
     wg = lax.axis_index("wg")
@@ -757,6 +783,11 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
           qs = load_all(qs_smem.at[wg, qslot], head_layout)
         else:
           qs = heads(scale_mult)
+        shift = None
+        if rs_ref is not None:
+          shift = lax.broadcast_in_dim(
+              load_all(rs_smem.at[qslot, pl.ds(0, nq)], head_layout),
+              (sk, nq), [1])
 
         def step(i, carry, masked: bool):
           acc, m, l_acc, c_prev = carry
@@ -776,6 +807,9 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
             ks = load_all(ks_smem.at[slot], key_layout)
             vs = load_all(vs_smem.at[slot], key_layout)
             t = t * lax.broadcast_in_dim(ks, (sk, nq), [0])
+          if cap is not None:   # base-2 logits, capped (the head scale in)
+            t = quant.soft_cap_base2(
+                t * lax.broadcast_in_dim(qs, (sk, nq), [1]), cap, shift)
           if masked:
             keys = j * sk + plgpu.broadcasted_iota(jnp.int32, (sk,), 0,
                                                    layout=key_layout)
@@ -814,10 +848,14 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
           else:
             [t_max] = _over_keys(t, None, scratch, "max")
             c, shift_c = heads(1.0), 0.0
-          m_new = jnp.maximum(m, qs * t_max)
+          if cap is None:
+            m_new = jnp.maximum(m, qs * t_max)
+          else:   # the head scale is in t already
+            m_new = jnp.maximum(m, t_max)
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
           alpha = jnp.exp2(m - m_use)
-          p = jnp.exp2(t * lax.broadcast_in_dim(qs, (sk, nq), [1])
+          p = jnp.exp2((t if cap is not None else
+                        t * lax.broadcast_in_dim(qs, (sk, nq), [1]))
                        - lax.broadcast_in_dim(m_use + shift_c, (sk, nq), [1]))
           if quantized:
             l_acc = (l_acc * lax.broadcast_in_dim(alpha, (sk, nq), [1])
@@ -1010,6 +1048,9 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
         if vm_ref is not None:
           plgpu.copy_gmem_to_smem(vm_ref.at[head], vm_smem.at[qslot],
                                   q_bar.at[qslot])
+        if rs_ref is not None:
+          plgpu.copy_gmem_to_smem(rs_ref.at[batch, head], rs_smem.at[qslot],
+                                  q_bar.at[qslot])
         used = lax.div(length + ps - 1, jnp.int32(ps))
 
         def load_step(r, bad):
@@ -1065,11 +1106,13 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
         plgpu.SMEM((2, nq, h), out_dtype) if final else None,
         plgpu.SMEM((2, h), jnp.float32) if v_smooth is not None else None,
         plgpu.SMEM((2,), jnp.int32) if check_pages else None,
+        plgpu.SMEM((2, MAX_GROUPS), jnp.float32)
+        if row_shift is not None else None,
     )
     pl.run_scoped(
         lambda *scratch: kernel(*refs, scratch), smem,
-        plgpu.Barrier(num_arrivals=1 + (v_smooth is not None),
-                      num_barriers=2),
+        plgpu.Barrier(num_arrivals=1 + (v_smooth is not None)
+                      + (row_shift is not None), num_barriers=2),
         plgpu.Barrier(num_arrivals=cons, num_barriers=2),
         plgpu.Barrier(num_arrivals=(4 if quantized else 2) * pps,
                       num_barriers=stages),
@@ -1104,5 +1147,5 @@ def decode_forward(q: jax.Array, k_pages: jax.Array,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(*(x for x in (q, k_pages, k_scales, v_pages, v_scales, page_table,
-                  kv_len, v_smooth) if x is not None))
+                  kv_len, v_smooth, row_shift) if x is not None))
   return (outs[0], None) if final else tuple(outs)

@@ -10,8 +10,9 @@ by their largest V scale: ``PagedMath.block_k``). It quantizes the queries
 per row and merges its consumers' and splits' partials by LSE itself (one
 launch; a sequence's splits run as one CTA cluster), except with more than 8
 splits (then XLA merges them after it). INT8/FP8 pages of 32, 64 or 128
-tokens (16-bit: 64 or 128), head dims 64 and 128, at most 32 query heads per KV head, no soft-cap
-(:func:`decode_unsupported`).
+tokens (16-bit: 64 or 128), head dims 64 and 128, at most 32 query heads
+per KV head (:func:`decode_unsupported`); a logit soft cap is the kernel's
+own, K smoothing's per-head shift added back first.
 
 **Extend**:
 
@@ -243,8 +244,6 @@ def decode_unsupported(cache: PagedKVCache, math: PagedMath, groups: int
   reason = _unsupported_by_both(cache, math)
   if reason is not None:
     return reason
-  if math.soft_cap is not None:
-    return "logit soft-cap is applied by the Triton decode kernel only"
   if cache.layout != "KPSH" or (cache.quantized and not cache.v_transposed):
     return ("the Mosaic decode reads the pages PagedKVCache.create lays out "
             "(quantized: V transposed), not a contiguous cache's")
@@ -315,6 +314,14 @@ def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
   tiling = tiling or DecodeTiling()
   splits = tiling.num_splits or decode_splits(b, kh, page_table.shape[1], ps,
                                               math.window, tiling.num_ctas)
+  capped = {}
+  if math.soft_cap is not None:
+    capped["logits_soft_cap"] = math.soft_cap
+    if cache.k_smooth is not None:   # K smoothing's shift (the query as
+      # given, as the reference takes it), before the cap
+      capped["row_shift"] = quant.lse_shift(
+          q[:, :, None].astype(jnp.float32),
+          jnp.broadcast_to(cache.k_smooth, (b, kh, h)), math.sm_scale)[..., 0]
   if cache.quantized:
     if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
       q = q.astype(jnp.float32)
@@ -326,7 +333,7 @@ def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
       q, cache.k_pages, cache.k_scales, cache.v_pages, cache.v_scales,
       page_table, kv_len, sm_scale=math.sm_scale, window=math.window,
       num_splits=splits, v_smooth=cache.v_smooth, out_dtype=out_dtype,
-      tiling=tiling)
+      tiling=tiling, **capped)
   if lse is not None:   # partials, merged here
     parts = out.shape[0]   # [parts, B, K, NQ, H] -> [parts, B, N, H]
     out = out[..., :groups, :].reshape(parts, b, n, h)
