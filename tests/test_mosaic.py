@@ -188,7 +188,9 @@ def test_gradients_with_a_mask_array_lower_for_cuda(monkeypatch, h):
   """jax.grad of a call with a mask array, as on an sm90 GPU: the Mosaic
   training forward (16-bit P·V, Q quantized by the pass: the mask tiles
   take the shared memory of an in-kernel Q tile, which overflowed it) and
-  the Triton backward kernels, lowered for CUDA."""
+  the Mosaic backward's fused kernel with the transposed mask's tiles (at
+  H=128; at H=64 they would not fit its shared memory: the Triton
+  backward kernels), lowered for CUDA."""
   from sagejax.backends import pallas_triton
   monkeypatch.setattr(mosaic, "is_hopper", lambda: True)
   monkeypatch.setattr(pallas_triton, "gpu_compute_capability", lambda: 9.0)
@@ -202,8 +204,51 @@ def test_gradients_with_a_mask_array_lower_for_cuda(monkeypatch, h):
 
   text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert text.count("mosaic_gpu_v2") == 1
-  assert "sage_attention_bwd_dkdv" in text
+  assert text.count("mosaic_gpu_v2") == (2 if h == 128 else 1)
+  assert ("sage_attention_bwd_dkdv" in text) == (h == 64)
+
+
+@pytest.mark.parametrize("layout,h,mask_shape,kwargs", [
+    ("BTNH", 128, (2, 1, 256, 384), dict(is_causal=True)),
+    ("BNTH", 96, (1, 4, 256, 384), dict(key_value_seq_lengths=[384, 200])),
+    ("BTNH", 128, (2, 1, 1, 384), dict(local_window_size=(100, 0))),
+])
+def test_backward_with_a_mask_array_lowers_for_cuda(layout, h, mask_shape,
+                                                    kwargs):
+  """The Hopper backward's fused kernel with a mask array (transposed,
+  streamed with Q) lowers for CUDA after the forward whose statistics it
+  takes: broadcast batch, head and row axes, lengths, a window, a head dim
+  padded to 128; the other arrangements refuse a mask and say what to
+  pass."""
+  q, k, v = _data(2, 256, 384, 4, 2, h, layout=layout)
+  mask = jax.random.bernoulli(jax.random.PRNGKey(3), 0.7, mask_shape)
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  kwargs = {key: jnp.asarray(x) if isinstance(x, list) else x
+            for key, x in kwargs.items()}
+
+  def f(q, k, v, do):
+    call = _inputs.parse(q, k, v, mask=mask, layout=layout, **kwargs)
+    assert mosaic.BACKEND.backward_unsupported(call, config) is None
+    stats = mosaic.BACKEND.forward(call, config)
+    return mosaic.BACKEND.backward(call, config, do, None, stats)
+
+  text = jax.jit(f).trace(q, k, v, q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu_v2") == 2
+  assert "cp.reduce.async.bulk.tensor" in text  # dQ by TMA reduce-add
+  bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)  # noqa: E731
+  f32 = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
+  lengths = jnp.full((2,), 256, jnp.int32)
+  args = (bf(2, 256, 4, 128), bf(2, 256, 2, 128), bf(2, 256, 2, 128),
+          bf(2, 256, 4, 128), f32(2, 4, 256), f32(2, 4, 256), f32(2, 4, 256),
+          f32(2, 2, 128), MaskSpec(False, "top_left", None, 256, 256))
+  with pytest.raises(ValueError, match="fused kernel only"):
+    mosaic_backward.attention_backward(
+        *args, sm_scale=0.1, layout="BTNH", q_lengths=lengths,
+        kv_lengths=lengths, mask=bf(2, 1, 256, 256))  # the unfused default
+  assert "mask array" in mosaic.BACKEND.backward_unsupported(
+      _inputs.parse(q, k, v, mask=mask, layout=layout, **kwargs),
+      config.replace(backward_stats="recompute"))
 
 
 @pytest.mark.parametrize("layout,lengths", [("BTNH", False),
@@ -593,22 +638,31 @@ def test_gpu_mosaic_mask_arrays(preset, shape, mask_shape, kwargs):
     ((2, 1000, 1200, 8, 2, 128), (2, 1, 1000, 1200), dict(is_causal=True)),
     ((1, 777, 1030, 4, 4, 64), (1, 4, 777, 1030),
      dict(lengths=True, layout="BNTH")),
+    ((1, 1024, 1024, 4, 2, 128), (1, 4, 1024, 1024), {}),
+    ((2, 500, 700, 4, 2, 96), (2, 1, 1, 700),
+     dict(layout="BNTH", lengths=True, local_window_size=(256, 0),
+          is_causal=True)),
 ])
 def test_gpu_gradients_with_a_mask_array(shape, mask_shape, kwargs):
   """jax.grad of a call with a mask array and no bias: the Mosaic training
-  forward (16-bit P·V, the mask streamed beside K, Q by the pass) and the
-  Triton backward on its saved output and LSE, against the exact FP32
-  gradients (cos > 0.999, the LSE's cotangent too); outputs poisoned."""
+  forward (16-bit P·V, the mask streamed beside K, Q by the pass) and, on
+  its saved statistics, the Mosaic backward's fused kernel with the
+  transposed mask's tiles (H=65-128) or the Triton backward (H=64), against
+  the exact FP32 gradients (cos > 0.999, the LSE's cotangent too; rows
+  that see no key); outputs poisoned."""
   b, t, s, n, kh, h = shape
   layout, kwargs = _case_kwargs(b, t, s, kwargs)
   q, k, v = _data(b, t, s, n, kh, h, layout=layout)
   mask = jax.random.bernoulli(jax.random.PRNGKey(t + s + 1), 0.7, mask_shape)
+  if mask_shape[2] > 1:
+    mask = mask.at[:, :, 5].set(False)             # a row that sees nothing
   do = jax.random.normal(jax.random.PRNGKey(next(_seed)), q.shape, q.dtype)
   u = jax.random.normal(jax.random.PRNGKey(next(_seed)), (b, n, t))
   call = _inputs.parse(q, k, v, mask=mask, layout=layout, **kwargs)
   diff = PRESETS["sage2-8b"].differentiated(q.dtype)
   assert mosaic.BACKEND.unsupported(call, diff) is None
-  assert backends.backward_of("mosaic", call, diff).name == "pallas"
+  want_bwd = "mosaic" if h > 64 else "pallas"
+  assert backends.backward_of("mosaic", call, diff).name == want_bwd
 
   grads = functools.partial(testing.attention_grads, q, k, v, do, u,
                             mask=mask, layout=layout, **kwargs)

@@ -26,9 +26,11 @@ statistics in its dQ kernel from the saved LSE as an estimate
 dims above 128 (up to 256) run kernels whose consumers split the work by
 product, with saved statistics only. Calls it does not serve
 (``backward_unsupported``: FP32 inputs, the 8-bit backward, head dims
-above 128 recomputing the statistics) take the ``"pallas"`` backward
-kernels (and so do mask arrays). With a soft cap the backward kernels take
-K unsmoothed and the LSE of the capped logits.
+above 128 recomputing the statistics, mask arrays other than at head dims
+65-128 with the forward's statistics) take the ``"pallas"`` backward
+kernels. With a soft cap the backward kernels take K unsmoothed and the
+LSE of the capped logits; a mask array streams, transposed, to the fused
+kernel beside Q.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 from sagejax import quant
 from sagejax._inputs import ParsedCall
 from sagejax.backends._device import is_hopper, sm_count
-from sagejax.backends.pallas_triton import (Prepared, pad_axis,
+from sagejax.backends.pallas_triton import (Prepared, pad_axis, pairwise,
                                             quantize_inputs, smoothed,
                                             v_read_in_place)
 from sagejax.config import SageConfig
@@ -335,9 +337,14 @@ class _MosaicBackend:
               "'pallas' backward serves others")
     if config.backward_int8:
       return "the 8-bit backward (backward_int8) runs in the 'pallas' kernels"
-    if call.mask is not None:
-      return ("the Hopper backward takes no mask array; the 'pallas' "
-              "backward does")
+    if call.mask is not None and not (
+        max(64, next_pow2(call.dims[3])) == 2 * mosaic_backward.ROWS
+        and config.saved_stats and self.backward_tiling is None):
+      return (f"the Hopper backward takes a mask array at head dims 65-"
+              f"{2 * mosaic_backward.ROWS} with the forward's statistics "
+              "(backward_stats 'saved', or 'auto' without a soft cap) in "
+              "its fused kernel; the 'pallas' backward takes other mask "
+              "calls")
     if (call.dims[3] > mosaic_backward.WIDE_ABOVE_HEAD_DIM
         and not config.saved_stats):
       return (f"above H={mosaic_backward.WIDE_ABOVE_HEAD_DIM} the Hopper "
@@ -422,12 +429,16 @@ class _MosaicBackend:
           d_lse=None if d_lse is None else vec(d_lse))
     dl = jnp.zeros_like(lse2) if d_lse is None else jnp.where(
         lse2 != jnp.inf, vec(d_lse), 0.0)  # a seen row (NaN kept)
+    mask = None
+    if call.mask is not None:  # transposed: keys on the kernel's rows
+      mask = jnp.swapaxes(pairwise(call.mask, t_pad, s_pad, jnp.bfloat16),
+                          2, 3)
     dq, dk, dv = mosaic_backward.attention_backward(
         q, kc, vc, do, lse2, delta, dl, k_mean, call.spec,
         sm_scale=call.sm_scale, layout=layout, q_lengths=q_lengths,
         kv_lengths=kv_lengths, tiling=tiling,
         uniform_tiles=call.q_lengths is None and call.kv_lengths is None,
-        num_sms=sm_count(), logits_soft_cap=cap)
+        num_sms=sm_count(), logits_soft_cap=cap, mask=mask)
     if layout == "BTNH":
       dq, dk, dv = dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
     else:

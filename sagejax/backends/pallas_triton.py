@@ -100,7 +100,7 @@ def smoothed(x: jax.Array, lengths: jax.Array, layout: str, head_dim: int,
   return (x.astype(jnp.float32) - bcast).astype(x.dtype), mean
 
 
-def _pairwise(x: Optional[jax.Array], t_pad: int, s_pad: int, dtype
+def pairwise(x: Optional[jax.Array], t_pad: int, s_pad: int, dtype
               ) -> Optional[jax.Array]:
   """A ``[B|1, N|1, T|1, S|1]`` mask/bias → ``[B|1, N|1, T_pad, S_pad]``.
 
@@ -265,8 +265,8 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                            k_scale=k_scale, v=v_vals, v_scale=v_scale,
                            v_mean=v_mean, delta_s=delta_s, lse_shift=lse_shift)
   return Prepared(qkv=qkv, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                  mask=_pairwise(call.mask, t_pad, s_pad, jnp.int8),
-                  bias=_pairwise(call.bias, t_pad, s_pad, None),
+                  mask=pairwise(call.mask, t_pad, s_pad, jnp.int8),
+                  bias=pairwise(call.bias, t_pad, s_pad, None),
                   q_raw=None if quantize_q else q,
                   k_mean=None if quantize_q else k_mean,
                   v_layout=layout if v_in_place else "BNTH",
@@ -443,8 +443,8 @@ class _PallasTritonBackend:
         q_lengths=q_lengths, kv_lengths=kv_lengths, spec=call.spec,
         sm_scale=call.sm_scale, layout=layout, out=out, lse=lse,
         d_lse=None if d_lse is None else vec(d_lse),
-        mask=_pairwise(call.mask, t_pad, s_pad, jnp.int8),
-        bias=_pairwise(call.bias, t_pad, s_pad, None),
+        mask=pairwise(call.mask, t_pad, s_pad, jnp.int8),
+        bias=pairwise(call.bias, t_pad, s_pad, None),
         dbias_shape=dbias_shape, int8=int8_ops, tiling=tiling,
         interpret=self.interpret, logits_soft_cap=cap)
     if layout == "BTNH":

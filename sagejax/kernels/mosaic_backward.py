@@ -333,12 +333,14 @@ def _probabilities(s, c: float, lse, soft_cap: Optional[float],
 
 def _stream_query_tiles(refs, smems, in_bar, free, *, stages: int, kv_head,
                         g: int, per, total, blocks, order: bool, bq: int,
-                        layout: str, batch, after=None) -> None:
+                        layout: str, batch, after=None, mask=None) -> None:
   """A dK/dV kernel's producer: for each of the ``total`` steps (``per``
   query blocks for each of the group's ``g`` heads, in the consumers'
   visiting order), once its ring slot is free again, the block's Q, lse₂,
-  δ and dO rows (``refs``/``smems``: those four) into it; then
-  ``after(step)``, if given."""
+  δ and dO rows (``refs``/``smems``: those four) into it, and with ``mask``
+  (``(mask ref [B|1, N|1, S_pad, T_pad], its ring, the CTA's first key,
+  its keys)``) the tile of the transposed mask; then ``after(step)``, if
+  given."""
   q_ref, lse_ref, dl_ref, do_ref = refs
   q_smem, lse_smem, dl_smem, do_smem = smems
 
@@ -361,6 +363,13 @@ def _stream_query_tiles(refs, smems, in_bar, free, *, stages: int, kv_head,
                             dl_smem.at[slot], bar)
     plgpu.copy_gmem_to_smem(tile_rows(do_ref, layout, batch, head, q0, bq),
                             do_smem.at[slot], bar)
+    if mask is not None:
+      mk_ref, mk_smem, k_first, keys = mask
+      mb = batch if mk_ref.shape[0] > 1 else 0
+      mh = head if mk_ref.shape[1] > 1 else 0
+      plgpu.copy_gmem_to_smem(
+          mk_ref.at[mb, mh, pl.ds(k_first, keys), pl.ds(q0, bq)],
+          mk_smem.at[slot], bar)
     if after is not None:
       after(step)
 
@@ -373,6 +382,7 @@ def attention_backward(
     tiling: MosaicBackwardTiling = MosaicBackwardTiling(),
     uniform_tiles: bool = False, num_sms: int = 132,
     logits_soft_cap: Optional[float] = None,
+    mask: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """dQ, dK, dV of exact attention on padded 16-bit inputs.
 
@@ -402,6 +412,10 @@ def attention_backward(
       tanh²)). ``k`` must then be K itself (``k_mean`` zeros, ``lse2`` the
       capped logits' base-2 LSE): the cap is not shift invariant, and the
       rows of dX do not sum to dLSE.
+    mask: the caller's mask array transposed, bf16 0/1 ``[B|1, N|1, S_pad,
+      T_pad]`` (nonzero: attend), or None. Only in the fused kernel
+      (``tiling.fused_dq``, δ given) at H=128: each step's tile streams
+      with Q (TMA) and every step takes the masked path.
 
   Returns:
     (dQ, dK, dV) in ``layout`` and the inputs' dtype, padded.
@@ -430,6 +444,15 @@ def attention_backward(
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"logits_soft_cap={logits_soft_cap!r}: pass a float > 0 "
                      "or None.")
+  if mask is not None and (
+      not fused or delta is None or h != 2 * ROWS or mask.ndim != 4
+      or mask.dtype != jnp.bfloat16 or mask.shape[2:] != (s_pad, t_pad)
+      or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, n)):
+    raise ValueError(
+        f"mask {mask.shape} {mask.dtype}: the Hopper backward takes a bf16 "
+        f"[B|1, N|1, S_pad={s_pad}, T_pad={t_pad}] mask (transposed) in its "
+        f"fused kernel only (fused_dq=True, δ given, H={2 * ROWS}); the "
+        "'pallas' backward takes other mask calls.")
   common = dict(spec=spec, c=sm_scale * quant.LOG2E, sm_scale=sm_scale,
                 layout=layout, tiling=tiling, dims=(b, n, t_pad, h, kh, s_pad),
                 soft_cap=logits_soft_cap)
@@ -449,13 +472,13 @@ def attention_backward(
                       stats_only=True, **common)
   split = None
   if (tiling.split_last_round and not tiling.dq_turns and uniform_tiles
-      and not spec.is_causal and spec.window is None
+      and mask is None and not spec.is_causal and spec.window is None
       and (spec.q_len, spec.kv_len) == (t_pad, s_pad)):
     split = last_round_split(kh, b * (s_pad // (2 * ROWS)),
                              steps=t_pad // tiling.block_q, num_sms=num_sms)
   acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
   dk, dv, *parts = _dkdv(q, k, v, d_out, lse2, delta, *lengths, acc,
-                         split=split, **common)
+                         split=split, mask=mask, **common)
   if parts:
     # Without the barrier, XLA (0.11.2's) pulls the kernel into a
     # dynamic-slice fusion with the update of its own output by the parts'
@@ -519,7 +542,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
           *, spec: MaskSpec, c: float, sm_scale: float, layout: str,
           tiling: MosaicBackwardTiling, dims,
           soft_cap: Optional[float] = None,
-          split: Optional[tuple[int, int]] = None):
+          split: Optional[tuple[int, int]] = None,
+          mask: Optional[jax.Array] = None):
   """dK, dV; with ``dq_acc`` (a zeroed f32 ref shaped like ``q``) also adds
   every CTA's ``dS·K`` into it by TMA reduce-add.
 
@@ -532,6 +556,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
   blocks of every head of the group; their dK (times ``sm_scale``) and dV
   go to two extra outputs ``[k · B, m, S_pad, H]`` instead (to be summed:
   :func:`_place_parts`), and their rows of dK and dV are left unwritten.
+  ``mask`` (fused, no split): the transposed mask array, whose tile of
+  each step the producer streams with Q and every step applies.
   """
   b, n, t_pad, h, kh, s_pad = dims
   n_kt = s_pad // (2 * ROWS)
@@ -554,6 +580,10 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
   order = tiling.unmasked_first
 
   def kernel(*refs):
+    mk_ref = None
+    if mask is not None:  # an input after the lengths
+      refs = list(refs)
+      mk_ref = refs.pop(8)
     if fused:
       (q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, ql_ref, kl_ref,
        dq_ref, dk_ref, dv_ref, *parts, scratch) = refs
@@ -575,7 +605,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
     q_len, kv_len = ql_ref[batch], kl_ref[batch]
     cta_first = kt * (2 * ROWS)
     blocks = query_blocks(spec, cta_first, 2 * ROWS, q_len, kv_len, bq,
-                          num_q_blocks, False)
+                          num_q_blocks, mk_ref is not None)
     if split is not None:  # a part's share of the (unmasked) query blocks
       lo, hi = blocks[0], blocks[3]
       first = lo + lax.div(part * (hi - lo), jnp.int32(k_split))
@@ -588,6 +618,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
       ds_smem, dq_smem = scratch[0][6:8]
     if turns:  # a consumer's dQ tile stored / added by the producer
       dq_ready, dq_free = scratch[1][5:7]
+    if mk_ref is not None:
+      mk_smem = scratch[0][-1]
 
     def rows_of(wg):  # consumer wg's 64 keys, or its half of a dQ tile
       if isinstance(wg, int):
@@ -633,10 +665,16 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
                                    (ROWS, bq), [1])
         dl = lax.broadcast_in_dim(load_all(dl_smem.at[slot], col_layout),
                                   (ROWS, bq), [1])
-        p_t, slope = _probabilities(
-            s_t, c, lse, soft_cap,
-            (lambda: _visible(spec, i * bq, k0, (ROWS, bq), q_len, kv_len,
-                              keys_on_rows=True)) if masked else None)
+        def visible():
+          seen = _visible(spec, i * bq, k0, (ROWS, bq), q_len, kv_len,
+                          keys_on_rows=True)
+          if mk_ref is not None:  # the caller's mask (selected: NaN dropped)
+            mk = load_all(mk_smem.at[slot, own], plgpu.Layout.WGMMA)
+            seen = seen & (mk != 0)
+          return seen
+
+        p_t, slope = _probabilities(s_t, c, lse, soft_cap,
+                                    visible if masked else None)
         ds_t = p_t * (dp_t - dl)
         if slope is not None:  # back to the logits before the cap
           ds_t = ds_t * slope
@@ -778,7 +816,9 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
           (q_smem, lse_smem, dl_smem, do_smem), in_bar, free, stages=stages,
           kv_head=kv_head, g=g, per=per, total=total, blocks=blocks,
           order=order, bq=bq, layout=layout, batch=batch,
-          after=after if turns else None)
+          after=after if turns else None,
+          mask=None if mk_ref is None else (mk_ref, mk_smem, cta_first,
+                                            2 * ROWS))
 
       if turns:  # the last steps' dQ tiles
         @pl.loop(jnp.maximum(total - stages, 0), total)
@@ -798,7 +838,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
         plgpu.SMEM((stages, bq), jnp.float32),
     )
     barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
-                plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=4 + (mask is not None),
+                              num_barriers=stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages))
     if fused:
       smem += (wgmma_smem((2, 2 * ROWS, bq), dtype),  # dSᵀ of 2 steps
@@ -807,6 +848,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
                    plgpu.Barrier(num_arrivals=2))  # both consumers done
     if turns:  # per consumer: its dQ tile stored; the buffer free for it
       barriers += (plgpu.Barrier(num_arrivals=1, num_barriers=2),) * 2
+    if mask is not None:  # the transposed mask's tile of each step
+      smem += (wgmma_smem((stages, 2 * ROWS, bq), jnp.bfloat16),)
     pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers,
                   collective_axes="wg")
 
@@ -823,6 +866,10 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
                     thread_name="wg")
   params = plgpu.CompilerParams(approx_math=True)
   inputs = (q, k, v, d_out, lse2, delta, q_lengths, kv_lengths)
+  if mask is not None:
+    if not fused or split is not None:
+      raise ValueError("a mask needs the fused kernel without a split.")
+    inputs += (mask,)
   if fused:  # dq_acc is a Ref: pl.kernel aliases it in and out
     return pl.kernel(entry, out_type=out_type, mesh=mesh,
                      compiler_params=params)(*inputs, dq_acc)
