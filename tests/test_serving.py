@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sagejax import serving, testing
+from sagejax import quant, serving, testing
 from sagejax.backends._device import is_hopper
 from sagejax.serving import cache as cache_lib
 from sagejax.serving import reference
@@ -509,7 +509,6 @@ def _emulated_mosaic_forward(q, q_scale, k, k_scale, v, v_scale, v_mean,
   on the CPU: shapes and padding as the kernel demands, V's key order undone,
   the per-key V factor applied to P̃ before it is rounded, the soft cap
   with the row shifts."""
-  from sagejax import quant
   from sagejax.kernels.mosaic_attention import pv_key_order
   from sagejax.serving.reference import round_pv
   b, n, t, h = q.shape
@@ -776,9 +775,12 @@ def test_mosaic_decode_tiling_and_splits():
 def _emulated_decode_forward(q, k_pages, k_scales, v_pages, v_scales,
                              page_table, kv_len, *, sm_scale, window=None,
                              num_splits=1, v_smooth=None, out_dtype=None,
-                             tiling=None):
+                             tiling=None, logits_soft_cap=None,
+                             row_shift=None):
   """``mosaic_decode.decode_forward``'s outputs computed in jnp (f32 P, no
-  FP8 rounding): Q quantized per row (8-bit pages), each sequence's keys
+  FP8 rounding; a soft cap with its per-head shift as
+  :func:`sagejax.quant.soft_cap_base2`): Q quantized per row (8-bit
+  pages), each sequence's keys
   split in two halves; one split: the halves merged, ``v_smooth`` added,
   NaN for a bad length or (no window) a bad page id; several: the partials
   of the kernel's first two parts (``[NQ, H]``, base-2 LSE padded to 32),
@@ -813,6 +815,10 @@ def _emulated_decode_forward(q, k_pages, k_scales, v_pages, v_scales,
   bad_len = (kv_len < 1) | (kv_len > max_pages * ps)
   kv_len = jnp.where(bad_len, 0, kv_len)
   logits = jnp.einsum("bkgh,bksh->bkgs", q, k)
+  if logits_soft_cap is not None:
+    logits = quant.soft_cap_base2(
+        logits, logits_soft_cap,
+        None if row_shift is None else row_shift.reshape(b, kh, g)[..., None])
   s = logits.shape[-1]
   pos = jnp.arange(s)
   ok = pos[None] < kv_len[:, None]
@@ -854,17 +860,20 @@ def _emulated_decode_forward(q, k_pages, k_scales, v_pages, v_scales,
           jnp.stack(lses + [empty_l] * (parts - 2)))
 
 
-@pytest.mark.parametrize("quantized,window,splits", [
-    (True, None, 1), (True, None, 2), (True, 40, 1), (True, 40, 3),
-    (False, None, 1), (False, None, 2)])
+@pytest.mark.parametrize("quantized,window,splits,cap", [
+    (True, None, 1, None), (True, None, 2, None), (True, 40, 1, None),
+    (True, 40, 3, None), (False, None, 1, None), (False, None, 2, None),
+    (True, None, 1, 2.0), (True, 40, 3, 2.0), (False, None, 2, 2.0)])
 def test_mosaic_decode_inputs(monkeypatch, next_key, quantized, window,
-                              splits):
+                              splits, cap):
   """The Mosaic decode's wrapper on the CPU, with the kernel replaced by its
   arithmetic in jnp: Q in the query dtype (quantized in the kernel), one
   split (merged in the kernel, ``v_smooth`` there) or several (their LSE
-  merge here), and NaN for a sequence whose page table names a page outside
-  the pool (checked in the kernel without a window, here with one); against
-  the ``"xla"`` reference (FP8 P̃ there, f32 in the emulation: ≤ 2e-2)."""
+  merge here), a soft cap (K smoothing's per-head shift made here, on
+  8-bit pages), and NaN for a sequence whose page table names a page
+  outside the pool (checked in the kernel without a window, here with
+  one); against the ``"xla"`` reference (FP8 P̃ there, f32 in the
+  emulation: ≤ 2e-2)."""
   from sagejax.kernels import mosaic_decode
   from sagejax.serving import attention as attention_lib
   monkeypatch.setattr(attention_lib, "is_hopper", lambda: True)
@@ -877,7 +886,7 @@ def test_mosaic_decode_inputs(monkeypatch, next_key, quantized, window,
   table = sc["table"].at[2, 0].set(10**6)   # sequence 2: a bad page
   run = jax.jit(lambda impl, table: serving.decode_attention(
       q, sc["cache"], table, sc["kv_len"], implementation=impl,
-      local_window_size=window,
+      local_window_size=window, logits_soft_cap=cap,
       config=serving.SERVING_CONFIG.replace(pv_dtype="fp8_e4m3"),
       tiling=(serving.DecodeTiling(num_splits=splits) if impl == "mosaic"
               else serving.PagedTiling(block_k=64))),
@@ -1149,7 +1158,6 @@ def test_gpu_mosaic_decode_transposed_store(keys, nq, ps, dtype):
   transpose (outputs poisoned first)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from sagejax import quant
   from sagejax.kernels import mosaic_decode
   from sagejax.kernels.mosaic_attention import wgmma_smem
   pps = keys // ps
