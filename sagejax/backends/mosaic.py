@@ -320,8 +320,7 @@ class _MosaicBackend:
     prepared = self.prepare(call, config, centre_k=centre_k)
     out, lse, smoothed_lse = self.kernel(prepared, call, config,
                                          smoothed_lse=True)
-    lse2 = jnp.where(smoothed_lse == -jnp.inf, jnp.inf,
-                     smoothed_lse * quant.LOG2E)
+    lse2 = _base2_lse(smoothed_lse)
     return (out, lse, lse2) + ((prepared.centred_k,) if centre_k else ())
 
   backward_tiling: Optional[MosaicBackwardTiling] = None
@@ -378,6 +377,9 @@ class _MosaicBackend:
     def vec(x, value=0.0):  # [B, N, T] -> [B, N, T_pad]
       return pad_axis(x.astype(f32), 2, t_pad, value)
 
+    def pad(x, size=t_pad):  # head dim and tokens, in the call's layout
+      return pad_axis(pad_axis(x, 3, hp), t_ax, size)
+
     q_lengths = quant.valid_lengths(call.q_lengths, b, t)
     kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
     cap = call.logits_soft_cap
@@ -390,16 +392,14 @@ class _MosaicBackend:
       if k_bar is not None or saved_lse2:
         raise ValueError("a soft-capped call's backward takes K and the "
                          "LSE, not K − k̄ or lse₂.")
-      kc = pad_axis(pad_axis(call.k, 3, hp), t_ax, s_pad)
-      k_mean = jnp.zeros((b, kh, hp), f32)
+      kc, k_mean = pad(call.k, s_pad), jnp.zeros((b, kh, hp), f32)
     elif k_bar is not None:  # the forward's K pass made K − k̄
       if not saved_lse2:
         raise ValueError("k_bar (K centred by the forward) goes with "
                          "saved_lse2.")
-      kc, k_mean = pad_axis(pad_axis(call.k, 3, hp), t_ax, s_pad), k_bar
+      kc, k_mean = pad(call.k, s_pad), k_bar
     else:
       kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
-    pad = lambda x, size=t_pad: pad_axis(pad_axis(x, 3, hp), t_ax, size)
     if out is None:
       vc, _ = smoothed(call.v, kv_lengths, layout, hp, s_pad)
     else:
@@ -410,8 +410,7 @@ class _MosaicBackend:
     if lse is None:  # the estimate jax.grad keeps: the quantized forward's
       lse = self.forward(call, config)[1]
     if cap is not None:  # lse₂ of the capped logits of K itself; δ from O
-      lse2 = vec(jnp.where(lse == -jnp.inf, jnp.inf, lse * quant.LOG2E),
-                 jnp.inf)
+      lse2 = vec(_base2_lse(lse), jnp.inf)
       delta = None if out is None else triton_backward.saved_statistics(
           None, lse2, None, q_lengths=q_lengths, sm_scale=call.sm_scale,
           layout=layout, out=pad(out), d_out=do,
@@ -444,6 +443,12 @@ class _MosaicBackend:
     else:
       dq, dk, dv = dq[:, :, :t, :h], dk[:, :, :s, :h], dv[:, :, :s, :h]
     return dq, dk, dv, None
+
+
+def _base2_lse(lse: jax.Array) -> jax.Array:
+  """A natural-log LSE in base 2, +inf (not −inf) where a row sees no key
+  (the backward kernels' lse₂ convention; NaN kept)."""
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse * quant.LOG2E)
 
 
 BACKEND = _MosaicBackend()

@@ -130,6 +130,17 @@ def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
   return jnp.pad(x, pad)
 
 
+def _smoothing_shift(q: jax.Array, cache: PagedKVCache, sm_scale: float
+                     ) -> jax.Array:
+  """What K smoothing took out of each row's logits, q·k̄·sm_scale (natural
+  log, f32 ``[B, N, T]`` for ``q`` ``[B, N, T, H]`` as given), to go back
+  in before a soft cap."""
+  b, _, _, h = q.shape
+  kh = cache.num_kv_heads
+  return quant.lse_shift(q, jnp.broadcast_to(cache.k_smooth, (b, kh, h)),
+                         sm_scale)
+
+
 def prepare(q: jax.Array, q_len: jax.Array, kv_len: jax.Array,
             cache: PagedKVCache, page_table: jax.Array, math: PagedMath,
             tiling: MosaicTiling) -> dict:
@@ -170,11 +181,9 @@ def prepare(q: jax.Array, q_len: jax.Array, kv_len: jax.Array,
   q8, qs = quantize_query(q, math.sm_scale)                    # [B, T, N]
   capped = {}
   if math.soft_cap is not None and cache.k_smooth is not None:
-    # K smoothing's row shift q·k̄·scale (natural log), before the cap.
-    shift = quant.lse_shift(jnp.swapaxes(q, 1, 2),
-                            jnp.broadcast_to(cache.k_smooth, (b, kh, h)),
-                            math.sm_scale)                      # [B, N, T]
-    capped["row_shift"] = _pad_to(shift, 2, t_pad)
+    capped["row_shift"] = _pad_to(
+        _smoothing_shift(jnp.swapaxes(q, 1, 2), cache, math.sm_scale), 2,
+        t_pad)
   v_mean = None
   if cache.v_smooth is not None:
     v_mean = jnp.broadcast_to(cache.v_smooth[None], (b, kh, h))
@@ -317,11 +326,9 @@ def decode_attention(q: jax.Array, kv_len: jax.Array, cache: PagedKVCache,
   capped = {}
   if math.soft_cap is not None:
     capped["logits_soft_cap"] = math.soft_cap
-    if cache.k_smooth is not None:   # K smoothing's shift (the query as
-      # given, as the reference takes it), before the cap
-      capped["row_shift"] = quant.lse_shift(
-          q[:, :, None].astype(jnp.float32),
-          jnp.broadcast_to(cache.k_smooth, (b, kh, h)), math.sm_scale)[..., 0]
+    if cache.k_smooth is not None:   # of the query as given (the reference's)
+      capped["row_shift"] = _smoothing_shift(
+          q[:, :, None].astype(jnp.float32), cache, math.sm_scale)[..., 0]
   if cache.quantized:
     if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
       q = q.astype(jnp.float32)
