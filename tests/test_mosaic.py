@@ -208,6 +208,93 @@ def test_gradients_with_a_mask_array_lower_for_cuda(monkeypatch, h):
   assert ("sage_attention_bwd_dkdv" in text) == (h == 64)
 
 
+@pytest.mark.parametrize("layout,h,bias_shape,mask_shape,kwargs", [
+    ("BTNH", 128, (1, 4, 200, 300), None, dict(is_causal=True)),
+    ("BNTH", 128, (2, 1, 200, 300), (1, 4, 200, 300),
+     dict(key_value_seq_lengths=jnp.array([300, 99]))),
+    ("BTNH", 96, (2, 4, 1, 300), (2, 1, 200, 300),
+     dict(logits_soft_cap=20.0, local_window_size=(64, 8))),
+])
+def test_bias_arrays_lower_for_cuda(layout, h, bias_shape, mask_shape,
+                                    kwargs):
+  """A bias array (broadcast over heads, batch or query rows; with a mask
+  folded into it, a soft cap, lengths, a window) runs on the Mosaic kernel
+  at H = 65-128, its 16-bit tiles streamed beside K; its gradients go to
+  the 'pallas' backward, and at H <= 64 (faster there) and above H=128
+  the forward too."""
+  q, k, v = _data(2, 200, 300, 4, 2, h, layout=layout)
+  bias = jax.random.normal(jax.random.PRNGKey(3), bias_shape)
+  mask = (None if mask_shape is None else
+          jax.random.bernoulli(jax.random.PRNGKey(4), 0.7, mask_shape))
+
+  def f(q, k, v, bias):
+    call = _inputs.parse(q, k, v, bias, mask, layout=layout, **kwargs)
+    assert mosaic.BACKEND.unsupported(call, PRESETS["sage2-8b"]) is None
+    assert "bias array" in mosaic.BACKEND.backward_unsupported(
+        call, PRESETS["sage2-8b"])
+    return mosaic.BACKEND.forward(call, PRESETS["sage2-8b"])
+
+  text = jax.jit(f).trace(q, k, v, bias).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu_v2") == 1
+  for h, reason in ((256, "bias arrays above"), (64, "run faster")):
+    small = _data(1, 8, 8, 2, 2, h)
+    assert reason in mosaic.BACKEND.unsupported(
+        _inputs.parse(*small, bias=jnp.ones((1, 1, 8, 8))),
+        PRESETS["sage2-8b"])
+
+
+def test_bias_tiles_fold_a_mask_and_keep_non_finite_values():
+  """The kernel's bias: a 16-bit one as given; else f16, a mask's False as
+  −inf, finite values clipped to f16's range, ±inf and NaN kept (they
+  reach the rows they reach in exact attention); under a soft cap ±inf
+  clipped too (the cap makes them ±cap, not a mask)."""
+  bias = jnp.array([[[[1e6, -1e6, 0.3, jnp.inf, -jnp.inf, jnp.nan]]]])
+  f16 = lambda *x: np.float32(np.float16(x))  # noqa: E731
+  got = mosaic.bias_tiles(bias, None)
+  assert got.dtype == jnp.float16
+  np.testing.assert_array_equal(
+      np.asarray(got, np.float32),
+      f16(65504, -65504, 0.3, np.inf, -np.inf, np.nan).reshape(1, 1, 1, 6))
+  mask = jnp.array([[[[1, 0, 1, 0, 1, 0]]]], jnp.int8)
+  np.testing.assert_array_equal(
+      np.asarray(mosaic.bias_tiles(bias, mask), np.float32),
+      f16(65504, -np.inf, 0.3, -np.inf, -np.inf, -np.inf).reshape(1, 1, 1, 6))
+  capped = mosaic.bias_tiles(bias.astype(jnp.bfloat16), None, 30.0)
+  np.testing.assert_array_equal(
+      np.asarray(capped, np.float32),
+      np.asarray(mosaic.bias_tiles(jnp.array(
+          [[[[65504, -65504, np.float32(jnp.bfloat16(0.3)), 65504, -65504,
+              np.nan]]]]), None), np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(mosaic.bias_tiles(bias, mask, 30.0), np.float32),
+      f16(65504, -np.inf, 0.3, -np.inf, -65504, -np.inf).reshape(1, 1, 1, 6))
+  assert mosaic.bias_tiles(None, mask) is None
+  for dtype in (jnp.bfloat16, jnp.float16):  # read by the kernel as it is
+    assert mosaic.bias_tiles(bias.astype(dtype), None).dtype == dtype
+
+
+def test_gradients_with_a_bias_array_lower_for_cuda(monkeypatch):
+  """jax.grad of a call with a bias array, as on an sm90 GPU: the Mosaic
+  training forward (16-bit P·V, Q quantized by the pass, the bias streamed
+  beside K), then the Triton backward, which makes dbias too."""
+  from sagejax.backends import pallas_triton
+  monkeypatch.setattr(mosaic, "is_hopper", lambda: True)
+  monkeypatch.setattr(pallas_triton, "gpu_compute_capability", lambda: 9.0)
+  q, k, v = _data(2, 200, 300, 4, 2, 128)
+  bias = jax.random.normal(jax.random.PRNGKey(5), (1, 4, 200, 300))
+
+  def loss(q, k, v, bias):
+    out = sagejax.attention(q, k, v, bias, is_causal=True,
+                            implementation="mosaic")
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).trace(q, k, v, bias).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu_v2") == 1
+  assert "sage_attention_bwd_dkdv" in text
+
+
 @pytest.mark.parametrize("layout,h,mask_shape,kwargs", [
     ("BTNH", 128, (2, 1, 256, 384), dict(is_causal=True)),
     ("BNTH", 96, (1, 4, 256, 384), dict(key_value_seq_lengths=[384, 200])),
@@ -670,6 +757,121 @@ def test_gpu_gradients_with_a_mask_array(shape, mask_shape, kwargs):
   want = grads(implementation="xla")
   testing.poison_device_memory(16 * q.size * 4)
   _check_grads(grads(implementation="mosaic"), want, 0.999)
+
+
+BIAS_CASES = [
+    ("sage2-8b", (2, 1000, 1200, 8, 2, 128), (1, 8, 1000, 1200), None,
+     dict(is_causal=True, bias_dtype=jnp.bfloat16)),
+    ("sage2-8b", (2, 777, 1030, 4, 4, 96), (2, 1, 777, 1030), (1, 4, 777, 1030),
+     dict(lengths=True, layout="BNTH")),
+    ("sage1", (1, 300, 4097, 4, 1, 128), (1, 1, 1, 4097), None,
+     dict(local_window_size=(500, 0))),
+    ("sage2-8b", (1, 512, 640, 4, 2, 96), (1, 4, 512, 640), (1, 1, 512, 640),
+     dict(logits_soft_cap=30.0, is_causal=True,
+          causal_alignment="bottom_right")),
+]
+
+
+def _bias_of(shape, seed, s):
+  """A bias array of ``shape``: an ALiBi-like distance term (slopes per
+  head) plus noise of a few units, key 7 hidden (−inf) from every row, row 5
+  (where the bias has rows) hidden from every key."""
+  b, n, t, _ = shape
+  slopes = 2.0 ** -jnp.arange(1, n + 1, dtype=jnp.float32)
+  rows = jnp.arange(t, dtype=jnp.float32) * (s / t)
+  dist = jnp.abs(rows[:, None] - jnp.arange(s, dtype=jnp.float32)[None])
+  bias = (-slopes[None, :, None, None] * jnp.minimum(dist, 64.0)
+          + 2.0 * jax.random.normal(jax.random.PRNGKey(seed), shape))
+  bias = jnp.broadcast_to(bias, shape).at[..., 7].set(-jnp.inf)
+  if t > 1:
+    bias = bias.at[:, :, 5].set(-jnp.inf)
+  return bias
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("preset,shape,bias_shape,mask_shape,kwargs",
+                         BIAS_CASES)
+def test_gpu_mosaic_bias_arrays(preset, shape, bias_shape, mask_shape,
+                                kwargs):
+  """The kernel with the caller's bias array (f32, or bf16 read as it is;
+  broadcast shapes; a mask beside it, folded in; causal, window, lengths,
+  a soft cap; a key and a row hidden by −inf — under the cap they become
+  −cap, as in exact attention —, and a NaN key the mask hides) against
+  "xla" and exact attention; outputs poisoned."""
+  b, t, s, n, kh, h = shape
+  kwargs = dict(kwargs)
+  bias_dtype = kwargs.pop("bias_dtype", jnp.float32)  # 16-bit: read as is
+  layout, kwargs = _case_kwargs(b, t, s, kwargs)
+  q, k, v = _data(b, t, s, n, kh, h, kind="qkv_channel_bias", layout=layout)
+  bias = _bias_of(bias_shape, t + s, s).astype(bias_dtype)
+  mask = None
+  if mask_shape is not None:
+    mask = jax.random.bernoulli(jax.random.PRNGKey(t + s), 0.7, mask_shape)
+    mask = mask.at[..., 3].set(False)              # key 3: hidden from all
+    k = k.at[(0, 3, 0, 0) if layout == "BTNH" else (0, 0, 3, 0)].set(jnp.nan)
+  run = jax.jit(lambda q, k, v, impl: sagejax.attention(
+      q, k, v, bias, mask, config=preset, implementation=impl, layout=layout,
+      return_lse=True, **kwargs), static_argnums=3)
+  call = _inputs.parse(q, k, v, bias, mask, layout=layout, **kwargs)
+  assert mosaic.BACKEND.unsupported(call, PRESETS[preset]) is None
+  testing.poison_device_memory(8 * q.size * 4)
+  got, got_lse = run(q, k, v, "mosaic")
+  want, want_lse = run(q, k, v, "xla")
+  exact = sagejax.exact_attention(q, k, v, bias, mask, layout=layout,
+                                  **kwargs)
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  # Rows that see no key (LSE −inf; the −inf bias row too) give zeros, the
+  # others do not (elementwise, an FP8 sum can round to 0 where "xla"'s
+  # does not).
+  rows_zero = np.all(np.asarray(got, np.float32) == 0, axis=-1)
+  seen = np.isfinite(np.asarray(want_lse))        # [B, N, T]
+  seen = np.moveaxis(seen, 1, 2) if layout == "BTNH" else seen
+  np.testing.assert_array_equal(rows_zero, ~seen)
+  testing.assert_near_oracle(got, want, exact, ratio=0.5)
+  testing.assert_lse_near(got_lse, want_lse)
+  if bias_shape[2] > 1 and "logits_soft_cap" not in kwargs:
+    assert not seen.all()                          # the hidden row: −inf
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("shape,bias_shape,mask_shape,kwargs", [
+    ((2, 1000, 1200, 8, 2, 128), (1, 8, 1000, 1200), None,
+     dict(is_causal=True)),
+    ((1, 777, 1030, 4, 4, 96), (1, 1, 777, 1030), (1, 4, 777, 1030),
+     dict(lengths=True, layout="BNTH")),
+])
+def test_gpu_gradients_with_a_bias_array(shape, bias_shape, mask_shape,
+                                         kwargs):
+  """jax.grad of a call with a bias array: the Mosaic training forward
+  (the bias streamed beside K) and, on its saved statistics, the Triton
+  backward; dQ, dK, dV and dbias against the exact FP32 gradients (cos >
+  0.999, the LSE's cotangent too); outputs poisoned."""
+  b, t, s, n, kh, h = shape
+  layout, kwargs = _case_kwargs(b, t, s, kwargs)
+  q, k, v = _data(b, t, s, n, kh, h, layout=layout)
+  bias = _bias_of(bias_shape, t + s + 1, s).at[..., 7].set(0.0)
+  mask = (None if mask_shape is None else
+          jax.random.bernoulli(jax.random.PRNGKey(t + s + 1), 0.7, mask_shape))
+  do = jax.random.normal(jax.random.PRNGKey(next(_seed)), q.shape, q.dtype)
+  u = jax.random.normal(jax.random.PRNGKey(next(_seed)), (b, n, t))
+  call = _inputs.parse(q, k, v, bias, mask, layout=layout, **kwargs)
+  diff = PRESETS["sage2-8b"].differentiated(q.dtype)
+  assert mosaic.BACKEND.unsupported(call, diff) is None
+  assert backends.backward_of("mosaic", call, diff).name == "pallas"
+
+  def grads(impl):
+    def loss(q, k, v, bias):
+      out, lse = sagejax.attention(q, k, v, bias, mask, return_lse=True,
+                                   layout=layout, implementation=impl,
+                                   **kwargs)
+      return (jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+              + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u))
+    return jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, bias)
+  want = grads("xla")
+  testing.poison_device_memory(16 * q.size * 4)
+  _check_grads(grads("mosaic"), want, 0.999)
 
 
 KERNEL_TILINGS = {

@@ -11,11 +11,13 @@ config's groups allow (:func:`quantize_q_in_kernel`): by default only in a
 with FP8 P·V).
 
 Calls it does not serve (``unsupported`` says why, and ``implementation=None``
-then picks the ``"pallas"`` backend): ``bias`` arrays, ``mask`` arrays above
-H=128, head dims above 128 with FP32 inputs, a negative ``scale``. A
+then picks the ``"pallas"`` backend): ``mask`` and ``bias`` arrays above
+H=128, ``bias`` arrays at H <= 64 (faster there in Triton), head dims
+above 128 with FP32 inputs, a negative ``scale``. A
 ``logits_soft_cap`` is applied in the kernel (Q then quantized by the pass,
-for its row shifts), and by its backward; a ``mask`` array streams to it in
-tiles beside K.
+for its row shifts), and by its backward; a ``mask`` or ``bias`` array
+streams to it in tiles beside K (a bias as f16, with a mask folded into it
+as −inf: :func:`bias_tiles`).
 
 Its backward (:mod:`sagejax.kernels.mosaic_backward`, 16-bit ``wgmma``)
 takes δ from the forward's saved output (``backward_stats="saved"``, and
@@ -27,10 +29,10 @@ dims above 128 (up to 256) run kernels whose consumers split the work by
 product, with saved statistics only. Calls it does not serve
 (``backward_unsupported``: FP32 inputs, the 8-bit backward, head dims
 above 128 recomputing the statistics, mask arrays other than at head dims
-65-128 with the forward's statistics) take the ``"pallas"`` backward
-kernels. With a soft cap the backward kernels take K unsmoothed and the
-LSE of the capped logits; a mask array streams, transposed, to the fused
-kernel beside Q.
+65-128 with the forward's statistics, bias arrays) take the ``"pallas"``
+backward kernels. With a soft cap the backward kernels take K unsmoothed
+and the LSE of the capped logits; a mask array streams, transposed, to the
+fused kernel beside Q.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def default_tiling(head_dim: int, config: SageConfig,
   if head_dim <= 64:
     # A soft cap or a mask array: every step per key (no grouped softmax).
     per_key = call is not None and (call.logits_soft_cap is not None
-                                    or call.mask is not None)
+                                    or call.mask is not None
+                                    or call.bias is not None)
     if config.pv_dtype == "fp8_e4m3" and not per_key:
       return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
     return MosaicTiling(block_kv=128, num_stages=3)
@@ -107,6 +110,33 @@ def default_tiling(head_dim: int, config: SageConfig,
   return MosaicTiling(block_kv=128, num_stages=2, quantize_q=(
       config.pv_dtype != "fp8_e4m3" and call is not None
       and quantize_q_in_kernel(call, config) is not None))
+
+
+F16_MAX = float(jnp.finfo(jnp.float16).max)
+
+
+def bias_tiles(bias: Optional[jax.Array], mask: Optional[jax.Array],
+               soft_cap: Optional[float] = None) -> Optional[jax.Array]:
+  """The kernel's bias array from the caller's (padded) ``[B|1, N|1, T_pad,
+  S_pad]``, whose −inf entries the kernel selects as it does a mask's
+  False (a NaN score there dropped): a 16-bit one as it is (no pass over
+  it); else, or with a mask (nonzero = attend) folded in as −inf, or a
+  soft cap, in f16 (11 significant bits; finite values clipped to
+  ±65504, where their exponentials are 0 or the row's maximum anyway).
+  Under a cap the caller's ±inf are clipped too: the cap makes them ±cap,
+  as in exact attention, not a mask. None without a bias."""
+  if bias is None:
+    return None
+  if mask is None and soft_cap is None and bias.dtype in (jnp.bfloat16,
+                                                          jnp.float16):
+    return bias
+  bias = bias.astype(jnp.float32)
+  clipped = jnp.clip(bias, -F16_MAX, F16_MAX)
+  if soft_cap is None:
+    clipped = jnp.where(jnp.isfinite(bias), clipped, bias)
+  if mask is not None:
+    clipped = jnp.where(mask != 0, clipped, -jnp.inf)
+  return clipped.astype(jnp.float16)
 
 
 def ordered_tiles(call: ParsedCall) -> bool:
@@ -156,11 +186,12 @@ def quantize_q_in_kernel(call: ParsedCall, config: SageConfig
   ``config.block_q // config.num_warps == 16`` (e.g. ``num_warps=8`` with
   ``block_q=128``, SageAttention2's sm90 geometry; the presets' 32-row
   warps span two). Smoothed Q (block means and ΔS), per-block groups,
-  inputs that are not 16-bit, a soft cap (its row shifts) and a mask
-  array (its tiles take the shared memory of the 16-bit Q tile) need the
-  pass."""
+  inputs that are not 16-bit, a soft cap (its row shifts) and a mask or
+  bias array (its tiles take the shared memory of the 16-bit Q tile) need
+  the pass."""
   if (config.smooth_q or jnp.dtype(call.q.dtype).itemsize != 2
-      or call.logits_soft_cap is not None or call.mask is not None):
+      or call.logits_soft_cap is not None or call.mask is not None
+      or call.bias is not None):
     return None
   rows = {"per_token": 1}
   if config.rows_per_warp == 16:
@@ -199,12 +230,16 @@ class _MosaicBackend:
   def unsupported(self, call: ParsedCall, config: SageConfig
                   ) -> Optional[str]:
     _, _, _, h, _, _ = call.dims
-    if call.bias is not None:
-      return ("bias arrays are read in tiles by the 'pallas' backend only")
     if call.mask is not None and h > PARTS_ABOVE_HEAD_DIM:
       return (f"mask arrays above H={PARTS_ABOVE_HEAD_DIM} are read by the "
               "'pallas' backend (shared memory); pass is_causal/"
               "local_window_size/*_seq_lengths where they express the mask")
+    if call.bias is not None and h > PARTS_ABOVE_HEAD_DIM:
+      return (f"bias arrays above H={PARTS_ABOVE_HEAD_DIM} are read by the "
+              "'pallas' backend (shared memory)")
+    if call.bias is not None and h <= 64:
+      return ("bias arrays at head dims up to 64 run faster in the 'pallas' "
+              "kernel (benchmarks/NOTES.md, Mosaic section 31)")
     if call.sm_scale <= 0:
       return "the kernel needs a positive scale"
     if h > PARTS_ABOVE_HEAD_DIM and jnp.dtype(call.q.dtype).itemsize != 2:
@@ -272,8 +307,9 @@ class _MosaicBackend:
         v_layout=prepared.v_layout, tiling=tiling,
         profile_dir=profile_dir, return_smoothed_lse=True,
         logits_soft_cap=cap, row_shift=row_shift,
-        mask=(None if prepared.mask is None
-              else (prepared.mask != 0).astype(jnp.bfloat16)))
+        mask=(None if prepared.mask is None or prepared.bias is not None
+              else (prepared.mask != 0).astype(jnp.bfloat16)),
+        bias=bias_tiles(prepared.bias, prepared.mask, cap))
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]
     else:
@@ -336,6 +372,9 @@ class _MosaicBackend:
               "'pallas' backward serves others")
     if config.backward_int8:
       return "the 8-bit backward (backward_int8) runs in the 'pallas' kernels"
+    if call.bias is not None:
+      return ("the Hopper backward takes no bias array; the 'pallas' "
+              "backward makes its gradient")
     if call.mask is not None and not (
         max(64, next_pow2(call.dims[3])) == 2 * mosaic_backward.ROWS
         and config.saved_stats and self.backward_tiling is None):

@@ -41,7 +41,8 @@ Each KV block's P·V starts from a fresh accumulator and is added into the
 FP32 output accumulator (``"fp32+fp32"``); with ``pv_two_level=False`` the
 running accumulator is fed to the ``wgmma`` instead. KV blocks a CTA cannot
 see (causal diagonal, local window, per-batch lengths) are never loaded; the
-mask is applied only to the blocks that straddle an edge.
+mask is applied only to the blocks that straddle an edge. A caller's mask
+or bias array streams in tiles beside K, and then every step is masked.
 """
 
 from __future__ import annotations
@@ -576,6 +577,7 @@ def attention_forward(
     logits_soft_cap: Optional[float] = None,
     row_shift: Optional[jax.Array] = None,
     mask: Optional[jax.Array] = None,
+    bias: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, ...]:
   """Runs the Mosaic GPU forward on quantized inputs.
 
@@ -634,6 +636,12 @@ def attention_forward(
       streams with K (TMA), and every step takes the masked path
       (logits selected, so a masked NaN score is dropped as in exact
       attention). Head dims up to 128.
+    bias: the caller's bias array in natural-log units, f16 or bf16
+      ``[B|1, N|1, T_pad, S_pad]``, streamed as ``mask`` is (not beside
+      it: fold a mask into the bias as −inf) and added to each step's
+      logits before the soft cap; a −inf entry hides its key as a mask
+      does (selected, so a NaN score there is dropped). Head dims up to
+      128.
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
@@ -675,6 +683,16 @@ def attention_forward(
     raise ValueError(f"mask {mask.shape} {mask.dtype}: pass bf16 [B|1, N|1, "
                      f"{t_pad}, {s_pad}] (nonzero = attend), head dims up to "
                      "128.")
+  if bias is not None and (mask is not None
+                           or bias.dtype not in (jnp.float16, jnp.bfloat16)
+                           or bias.ndim != 4
+                           or bias.shape[2:] != (t_pad, s_pad)
+                           or bias.shape[0] not in (1, b)
+                           or bias.shape[1] not in (1, n) or h > 128):
+    raise ValueError(f"bias {bias.shape} {bias.dtype}: pass f16 or bf16 "
+                     f"[B|1, N|1, {t_pad}, {s_pad}] (natural-log units; a "
+                     "mask folded in as -inf, not beside it), head dims up "
+                     "to 128.")
   if logits_soft_cap is not None and quantize_q is not None:
     raise ValueError("the soft cap needs Q quantized before the kernel "
                      "(its row shifts): pass quantize_q=None.")
@@ -720,10 +738,10 @@ def attention_forward(
         refs[name] for name in ("q", "k", "ks", "v", "vs", "ql", "kl"))
     vm_ref, ds_ref, vks_ref = refs.get("vm"), refs.get("ds"), refs.get("vks")
     qs_ref, km_ref, rs_ref = refs.get("qs"), refs.get("km"), refs.get("rs")
-    mk_ref = refs.get("mk")
+    mk_ref, bias_ref = refs.get("mk"), refs.get("bias")
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, ds_smem, o_smem, lse_smem,
      vs_smem, vm_smem, vks_smem, qx_smem, km_smem, shift_smem,
-     rs_smem, mk_smem) = scratch[0]
+     rs_smem, pair_smem) = scratch[0]
     q_bar, k_bar, v_bar = scratch[1]
     k_free, v_free = scratch[2]
     sched = scratch[3]
@@ -882,6 +900,8 @@ def attention_forward(
       qs = load_all(mine(qs_smem, buf), row_layout)
       inv_qs = 1.0 / qs if ds_ref is not None else None
       cap = logits_soft_cap  # scores capped in base-2 units, row scale 1
+      # Logits scaled per row before the softmax (a cap or a bias array).
+      row_scaled = cap is not None or bias_ref is not None
       rs = (None if rs_ref is None
             else load_all(mine(rs_smem, buf), row_layout))
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
@@ -902,33 +922,40 @@ def attention_forward(
 
       def key_vectors(slot):
         """Step ``slot``'s per-key vectors (K scales, V factors, ΔS) and
-        this consumer's mask tile read out of shared memory; then the K
-        slot is released."""
+        this consumer's mask or bias tile read out of shared memory; then
+        the K slot is released."""
         ks = load_all(ks_smem.at[slot], col_layout)
         vks = (None if vks_ref is None
                else load_all(vks_smem.at[slot], col_layout))
         ds = (None if ds_ref is None
               else load_all(ds_smem.at[slot], col_layout))
-        mk = (None if mk_ref is None
-              else load_all(mk_smem.at[slot, wg], plgpu.Layout.WGMMA))
+        pair = (None if mk_ref is None and bias_ref is None
+                else load_all(pair_smem.at[slot, wg], plgpu.Layout.WGMMA))
         plgpu.barrier_arrive(k_free.at[slot])
-        return ks, vks, ds, mk
+        return ks, vks, ds, pair
 
       def logits(s_f, keys, j, masked: bool):
         """Step ``j``'s base-2 logits before ``q_scale``: the INT32 sums
-        (as f32) times the key scales, plus ΔS, masked (with a soft cap:
-        times ``q_scale`` and capped before the masks)."""
-        ks, _, ds, mk = keys
+        (as f32) times the key scales, plus ΔS, masked (with a soft cap or
+        a bias array: times ``q_scale``, plus the bias, capped, before the
+        masks)."""
+        ks, _, ds, pair = keys
         t = s_f * lax.broadcast_in_dim(ks, (bq, bkv), [1])
         if ds is not None:
           t = t + (lax.broadcast_in_dim(ds, (bq, bkv), [1])
                    * lax.broadcast_in_dim(inv_qs, (bq, bkv), [0]))
-        if cap is not None:  # then with q_scale, capped, before the masks
+        if row_scaled:  # then with q_scale, biased, capped, before the masks
           rows_b = lambda x: lax.broadcast_in_dim(x, (bq, bkv), [0])
-          t = quant.soft_cap_base2(t * rows_b(qs), cap,
-                                   None if rs is None else rows_b(rs))
-        if mk is not None:  # the caller's mask array (selected: NaN dropped)
-          t = jnp.where(mk != 0, t, -jnp.inf)
+          t = t * rows_b(qs)
+          if bias_ref is not None:
+            t = t + pair.astype(jnp.float32) * quant.LOG2E
+          if cap is not None:
+            t = quant.soft_cap_base2(t, cap,
+                                     None if rs is None else rows_b(rs))
+          if bias_ref is not None:  # a −inf bias hides its key (NaN dropped)
+            t = jnp.where(pair == -jnp.inf, -jnp.inf, t)
+        if mk_ref is not None:  # a mask array (selected: NaN dropped)
+          t = jnp.where(pair != 0, t, -jnp.inf)
         if masked:
           rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0,
                                                layout=plgpu.Layout.WGMMA)
@@ -944,7 +971,7 @@ def attention_forward(
         ``key_vectors``. Returns (P·V operand, α broadcast to the output,
         new max, new sum)."""
         ks, vks, _, _ = keys
-        use_grouped = grouped and not masked and not scaled and cap is None
+        use_grouped = grouped and not masked and not scaled and not row_scaled
         with jax.named_scope("row_max"):
           if use_grouped:
             row_max, factors = grouped_logits(x, qs, ks)
@@ -952,7 +979,7 @@ def attention_forward(
           else:
             t = x if scaled else logits(x, keys, j, masked)
             t_max = t.max(axis=1)
-            m_new = jnp.maximum(m, t_max if cap is not None else qs * t_max)
+            m_new = jnp.maximum(m, t_max if row_scaled else qs * t_max)
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
           alpha = jnp.exp2(m - m_use)
           shift = m_use - _LOG2_P_SCALE if fp8 else m_use
@@ -961,7 +988,7 @@ def attention_forward(
         with jax.named_scope("exp"):
           if use_grouped:
             p = jnp.exp2(x * factors - shift_b)
-          elif cap is not None:
+          elif row_scaled:
             p = jnp.exp2(t - shift_b)
           else:
             p = jnp.exp2(t * lax.broadcast_in_dim(qs, (bq, bkv), [0])
@@ -1101,7 +1128,7 @@ def attention_forward(
 
       def run_steps(step_fn, carry):
         masked = functools.partial(step_fn, masked=True)
-        if mk_ref is not None:  # a mask array may mask any step
+        if mk_ref is not None or bias_ref is not None:  # any step, masked
           return lax.fori_loop(blo, bhi, masked, carry)
         carry = lax.fori_loop(blo, fblo, masked, carry)
         carry = lax.fori_loop(fblo, fbhi,
@@ -1229,13 +1256,14 @@ def attention_forward(
         if vks_ref is not None:
           plgpu.copy_gmem_to_smem(vks_ref.at[batch, kv_head, keys],
                                   vks_smem.at[slot], k_bar.at[slot])
-        if mk_ref is not None:  # each consumer's rows of the mask array
-          mb = batch if mk_ref.shape[0] > 1 else 0
-          mh = head if mk_ref.shape[1] > 1 else 0
+        pair_ref = mk_ref if mk_ref is not None else bias_ref
+        if pair_ref is not None:  # each consumer's rows of the mask or bias
+          mb = batch if pair_ref.shape[0] > 1 else 0
+          mh = head if pair_ref.shape[1] > 1 else 0
           for c in range(nc):
             rows = pl.ds(t.first_row + c * bq, bq)
-            plgpu.copy_gmem_to_smem(mk_ref.at[mb, mh, rows, keys],
-                                    mk_smem.at[slot, c], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(pair_ref.at[mb, mh, rows, keys],
+                                    pair_smem.at[slot, c], k_bar.at[slot])
 
         @pl.when(ring_step >= stages)
         def _():
@@ -1262,13 +1290,14 @@ def attention_forward(
 
   inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
                 ds=delta_s, vks=v_key_scale, km=k_mean, ql=q_lengths,
-                kl=kv_lengths, rs=row_shift, mk=mask)
+                kl=kv_lengths, rs=row_shift, mk=mask, bias=bias)
   names = tuple(name for name, x in inputs.items() if x is not None)
 
   def entry(*all_refs):
     refs = dict(zip(names, all_refs[:len(names)]))
     out_ref, lse_ref, *shift_ref = all_refs[len(names):]
     ds_ref = refs.get("ds")
+    pair = refs.get("mk", refs.get("bias"))  # mask or bias tiles, with K
     v_tile = (stages, h, bkv) if fp8 else (stages, bkv, h)
     q_bufs = (2, nc) if persistent else (nc,)  # per tile, per consumer
     smem = (
@@ -1287,13 +1316,13 @@ def attention_forward(
         None if "km" not in refs else plgpu.SMEM((nc, h), jnp.float32),
         None if "km" not in refs else plgpu.SMEM((*q_bufs, bq), jnp.float32),
         None if "rs" not in refs else plgpu.SMEM((*q_bufs, bq), jnp.float32),
-        None if "mk" not in refs else wgmma_smem((stages, nc, bq, bkv),
-                                                 jnp.bfloat16),
+        None if pair is None else wgmma_smem((stages, nc, bq, bkv),
+                                             pair.dtype),
     )
     # Q (and its scales, or K's mean), V's scales and mean, the row shifts.
     q_arrivals = 2 + sum(name in refs for name in ("qs", "km", "vm", "rs"))
     k_arrivals = (2 + (ds_ref is not None) + ("vks" in refs)
-                  + nc * ("mk" in refs))
+                  + nc * (pair is not None))
     pl.run_scoped(
         lambda *scratch: kernel(refs, out_ref, lse_ref,
                                 (shift_ref or [None])[0], scratch),
