@@ -114,13 +114,14 @@ def poison_device_memory(nbytes: int) -> None:
   jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32).block_until_ready()
 
 
-def attention_grads(q, k, v, d_out, d_lse, **kwargs) -> tuple:
-  """(dQ, dK, dV) of ``sagejax.attention(q, k, v, return_lse=True,
-  **kwargs)`` under ``jax.jit(jax.grad)``, for the cotangents ``d_out``
-  (the output's shape) and ``d_lse`` (f32 ``[B, N, T]``; rows that see no
-  key, LSE −inf, left out)."""
-  def loss(q, k, v):
-    out, lse = sagejax.attention(q, k, v, return_lse=True, **kwargs)
+def attention_grads(q, k, v, d_out, d_lse, bias=None, **kwargs) -> tuple:
+  """(dQ, dK, dV[, dbias]) of ``sagejax.attention(q, k, v, bias,
+  return_lse=True, **kwargs)`` under ``jax.jit(jax.grad)``, for the
+  cotangents ``d_out`` (the output's shape) and ``d_lse`` (f32 ``[B, N,
+  T]``; rows that see no key, LSE −inf, left out); dbias with a ``bias``."""
+  def loss(q, k, v, bias):
+    out, lse = sagejax.attention(q, k, v, bias, return_lse=True, **kwargs)
     return (jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
             + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse))
-  return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+  return jax.jit(jax.grad(loss, argnums))(q, k, v, bias)

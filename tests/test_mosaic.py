@@ -867,17 +867,11 @@ def test_gpu_gradients_with_a_bias_array(shape, bias_shape, mask_shape,
   assert mosaic.BACKEND.unsupported(call, diff) is None
   assert backends.backward_of("mosaic", call, diff).name == "pallas"
 
-  def grads(impl):
-    def loss(q, k, v, bias):
-      out, lse = sagejax.attention(q, k, v, bias, mask, return_lse=True,
-                                   layout=layout, implementation=impl,
-                                   **kwargs)
-      return (jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
-              + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u))
-    return jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, bias)
-  want = grads("xla")
+  grads = functools.partial(testing.attention_grads, q, k, v, do, u, bias,
+                            mask=mask, layout=layout, **kwargs)
+  want = grads(implementation="xla")
   testing.poison_device_memory(16 * q.size * 4)
-  _check_grads(grads("mosaic"), want, 0.999)
+  _check_grads(grads(implementation="mosaic"), want, 0.999)
 
 
 KERNEL_TILINGS = {

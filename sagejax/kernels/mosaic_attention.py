@@ -739,6 +739,7 @@ def attention_forward(
     vm_ref, ds_ref, vks_ref = refs.get("vm"), refs.get("ds"), refs.get("vks")
     qs_ref, km_ref, rs_ref = refs.get("qs"), refs.get("km"), refs.get("rs")
     mk_ref, bias_ref = refs.get("mk"), refs.get("bias")
+    pair_ref = mk_ref if mk_ref is not None else bias_ref  # streamed with K
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, ds_smem, o_smem, lse_smem,
      vs_smem, vm_smem, vks_smem, qx_smem, km_smem, shift_smem,
      rs_smem, pair_smem) = scratch[0]
@@ -929,7 +930,7 @@ def attention_forward(
                else load_all(vks_smem.at[slot], col_layout))
         ds = (None if ds_ref is None
               else load_all(ds_smem.at[slot], col_layout))
-        pair = (None if mk_ref is None and bias_ref is None
+        pair = (None if pair_ref is None
                 else load_all(pair_smem.at[slot, wg], plgpu.Layout.WGMMA))
         plgpu.barrier_arrive(k_free.at[slot])
         return ks, vks, ds, pair
@@ -1128,7 +1129,7 @@ def attention_forward(
 
       def run_steps(step_fn, carry):
         masked = functools.partial(step_fn, masked=True)
-        if mk_ref is not None or bias_ref is not None:  # any step, masked
+        if pair_ref is not None:  # a mask or bias array: any step, masked
           return lax.fori_loop(blo, bhi, masked, carry)
         carry = lax.fori_loop(blo, fblo, masked, carry)
         carry = lax.fori_loop(fblo, fbhi,
@@ -1256,7 +1257,6 @@ def attention_forward(
         if vks_ref is not None:
           plgpu.copy_gmem_to_smem(vks_ref.at[batch, kv_head, keys],
                                   vks_smem.at[slot], k_bar.at[slot])
-        pair_ref = mk_ref if mk_ref is not None else bias_ref
         if pair_ref is not None:  # each consumer's rows of the mask or bias
           mb = batch if pair_ref.shape[0] > 1 else 0
           mh = head if pair_ref.shape[1] > 1 else 0
