@@ -234,8 +234,18 @@ def test_bias_arrays_lower_for_cuda(layout, h, bias_shape, mask_shape,
         call, PRESETS["sage2-8b"])
     return mosaic.BACKEND.forward(call, PRESETS["sage2-8b"])
 
-  text = jax.jit(f).trace(q, k, v, bias).lower(
-      lowering_platforms=("cuda",)).as_text()
+  seen = []
+  forward = mosaic.attention_forward
+
+  def spy(*args, **kw):  # the folded mask, and only it, is selected
+    seen.append(kw["bias_has_mask"])
+    return forward(*args, **kw)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(mosaic, "attention_forward", spy)
+    text = jax.jit(f).trace(q, k, v, bias).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert seen == [mask is not None]
   assert text.count("mosaic_gpu_v2") == 1
   for h, reason in ((256, "bias arrays above"), (64, "run faster")):
     small = _data(1, 8, 8, 2, 2, h)
@@ -838,6 +848,36 @@ def test_gpu_mosaic_bias_arrays(preset, shape, bias_shape, mask_shape,
   testing.assert_lse_near(got_lse, want_lse)
   if bias_shape[2] > 1 and "logits_soft_cap" not in kwargs:
     assert not seen.all()                          # the hidden row: −inf
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_gpu_mosaic_nan_behind_a_minus_inf_bias(cap):
+  """A NaN key behind a −inf bias entry (no mask) gives NaN in exactly the
+  rows "xla" and exact attention give it (NaN + −inf is NaN; under a cap
+  the entry becomes −cap), the other rows near them; outputs poisoned."""
+  b, t, s, n, kh, h = 1, 200, 300, 4, 2, 128
+  q, k, v = _data(b, t, s, n, kh, h)
+  bias = _bias_of((1, n, t, s), 11, s).at[:, :, 5].set(1.0)  # key 7: −inf
+  k = k.at[0, 7, 0, :].set(jnp.nan)               # KV head 0: query heads 0-1
+  run = jax.jit(lambda q, k, v, impl: sagejax.attention(
+      q, k, v, bias, is_causal=True, causal_alignment="bottom_right",
+      logits_soft_cap=cap, config="sage2-8b", implementation=impl),
+      static_argnums=3)
+  testing.poison_device_memory(8 * q.size * 4)
+  got = np.asarray(run(q, k, v, "mosaic"), np.float32)
+  want = np.asarray(run(q, k, v, "xla"), np.float32)
+  exact = np.asarray(sagejax.exact_attention(
+      q, k, v, bias, is_causal=True, causal_alignment="bottom_right",
+      logits_soft_cap=cap), np.float32)
+  nan_rows = np.isnan(want).any(axis=-1)          # [B, T, N]
+  np.testing.assert_array_equal(np.isnan(exact).any(axis=-1), nan_rows)
+  assert nan_rows[..., :2].all() and not nan_rows[..., 2:].any()
+  np.testing.assert_array_equal(np.isnan(got).all(axis=-1), nan_rows)
+  assert np.isfinite(got[~nan_rows]).all()
+  testing.assert_near_oracle(got[:, :, 2:], want[:, :, 2:],
+                             exact[:, :, 2:], ratio=0.5)
 
 
 @gpu

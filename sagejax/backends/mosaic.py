@@ -118,13 +118,13 @@ F16_MAX = float(jnp.finfo(jnp.float16).max)
 def bias_tiles(bias: Optional[jax.Array], mask: Optional[jax.Array],
                soft_cap: Optional[float] = None) -> Optional[jax.Array]:
   """The kernel's bias array from the caller's (padded) ``[B|1, N|1, T_pad,
-  S_pad]``, whose −inf entries the kernel selects as it does a mask's
-  False (a NaN score there dropped): a 16-bit one as it is (no pass over
-  it); else, or with a mask (nonzero = attend) folded in as −inf, or a
-  soft cap, in f16 (11 significant bits; finite values clipped to
-  ±65504, where their exponentials are 0 or the row's maximum anyway).
-  Under a cap the caller's ±inf are clipped too: the cap makes them ±cap,
-  as in exact attention, not a mask. None without a bias."""
+  S_pad]``: a 16-bit one as it is (no pass over it); else, or with a mask
+  (nonzero = attend) folded in as −inf (which the kernel then selects as
+  it does a mask's False: ``bias_has_mask``), or a soft cap, in f16 (11
+  significant bits; finite values clipped to ±65504, where their
+  exponentials are 0 or the row's maximum anyway). Under a cap the
+  caller's ±inf are clipped too: the cap makes them ±cap, as in exact
+  attention, not a mask. None without a bias."""
   if bias is None:
     return None
   if mask is None and soft_cap is None and bias.dtype in (jnp.bfloat16,
@@ -309,7 +309,8 @@ class _MosaicBackend:
         logits_soft_cap=cap, row_shift=row_shift,
         mask=(None if prepared.mask is None or prepared.bias is not None
               else (prepared.mask != 0).astype(jnp.bfloat16)),
-        bias=bias_tiles(prepared.bias, prepared.mask, cap))
+        bias=bias_tiles(prepared.bias, prepared.mask, cap),
+        bias_has_mask=prepared.bias is not None and prepared.mask is not None)
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]
     else:

@@ -578,6 +578,7 @@ def attention_forward(
     row_shift: Optional[jax.Array] = None,
     mask: Optional[jax.Array] = None,
     bias: Optional[jax.Array] = None,
+    bias_has_mask: bool = False,
 ) -> tuple[jax.Array, ...]:
   """Runs the Mosaic GPU forward on quantized inputs.
 
@@ -639,9 +640,11 @@ def attention_forward(
     bias: the caller's bias array in natural-log units, f16 or bf16
       ``[B|1, N|1, T_pad, S_pad]``, streamed as ``mask`` is (not beside
       it: fold a mask into the bias as −inf) and added to each step's
-      logits before the soft cap; a −inf entry hides its key as a mask
-      does (selected, so a NaN score there is dropped). Head dims up to
-      128.
+      logits before the soft cap (a NaN score plus −inf stays NaN, as in
+      exact attention). Head dims up to 128.
+    bias_has_mask: ``bias``'s −inf entries are a mask folded in: they are
+      selected (a NaN score there dropped, as a mask drops it); under a
+      soft cap they would otherwise become −cap.
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
@@ -693,6 +696,9 @@ def attention_forward(
                      f"[B|1, N|1, {t_pad}, {s_pad}] (natural-log units; a "
                      "mask folded in as -inf, not beside it), head dims up "
                      "to 128.")
+  if bias_has_mask and bias is None:
+    raise ValueError("bias_has_mask=True describes a bias array: pass one "
+                     "(a mask folded in as -inf), or leave it False.")
   if logits_soft_cap is not None and quantize_q is not None:
     raise ValueError("the soft cap needs Q quantized before the kernel "
                      "(its row shifts): pass quantize_q=None.")
@@ -953,7 +959,7 @@ def attention_forward(
           if cap is not None:
             t = quant.soft_cap_base2(t, cap,
                                      None if rs is None else rows_b(rs))
-          if bias_ref is not None:  # a −inf bias hides its key (NaN dropped)
+          if bias_has_mask:  # a folded mask hides its keys (NaN dropped)
             t = jnp.where(pair == -jnp.inf, -jnp.inf, t)
         if mk_ref is not None:  # a mask array (selected: NaN dropped)
           t = jnp.where(pair != 0, t, -jnp.inf)
