@@ -53,7 +53,10 @@ def attention_backward(
   the quantized forward's error then enters through δ and P). dQ is then
   taken as dS·(K − k̄) + dLSE·k̄ (exact: each row of dS sums to dLSE), so
   that δ's error never multiplies a large K mean — the oracle of the kernel
-  backward's saved-statistics path.
+  backward's saved-statistics path. Under a soft cap the rows of dX = dS ∘
+  (1 − t²) do not sum to dLSE; dQ is then dX·K − λ(D − dLSE)·k̄ with λ =
+  Σ_j P(1 − t²) and D = Σ_j dS (:func:`sagejax.quant.capped_dq_shift`), which removes
+  δ's first-order error there (benchmarks/NOTES.md B39).
   """
   f32 = jnp.float32
   masks = (bias, mask, q_lengths, kv_lengths)
@@ -67,15 +70,27 @@ def attention_backward(
     delta = delta - d_lse.astype(f32)
   # Rows of dS sum to dLSE, not those of dX under a soft cap: no k̄ split.
   centred = saved is not None and logits_soft_cap is None
-  kbar = quant.token_mean(k, kv_lengths) if centred else None
-  dq, dk, dv, dbias = backward_from_stats(
-      q, k, v, *masks, d_out, lse, delta, spec, sm_scale, k_offset=kbar,
-      logits_soft_cap=logits_soft_cap)
+  capped_saved = saved is not None and logits_soft_cap is not None
+  kbar = None  # (capped: the kernels' sampled mean, which moves the result)
+  if centred:
+    kbar = quant.token_mean(k, kv_lengths)
+  elif capped_saved:
+    kbar = quant.sampled_mean(k, kv_lengths)
+  dq, dk, dv, dbias, *sums = backward_from_stats(
+      q, k, v, *masks, d_out, lse, delta, spec, sm_scale,
+      k_offset=kbar if centred else None, logits_soft_cap=logits_soft_cap,
+      row_sums=capped_saved)
+  dl = (jnp.zeros_like(lse) if d_lse is None else
+        jnp.where(jnp.isfinite(lse), d_lse.astype(f32), 0.0))
+  coef = None
   if centred and d_lse is not None:
+    coef = dl
+  elif capped_saved:
+    coef = quant.capped_dq_shift(*sums, dl)
+  if coef is not None:
     b, n, t, h = q.shape
     kh = k.shape[1]
-    dl = jnp.where(jnp.isfinite(lse), d_lse.astype(f32), 0.0)
-    dq = dq + (dl.reshape(b, kh, n // kh, t, 1) * kbar[:, :, None, None, :]
+    dq = dq + (coef.reshape(b, kh, n // kh, t, 1) * kbar[:, :, None, None, :]
                ).reshape(b, n, t, h) * sm_scale
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
 
@@ -95,13 +110,17 @@ def backward_from_stats(
     lse: jax.Array, delta: jax.Array, spec: MaskSpec, sm_scale: float,
     k_offset: Optional[jax.Array] = None,
     logits_soft_cap: Optional[float] = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, Optional[jax.Array]]:
+    row_sums: bool = False,
+) -> tuple[jax.Array, ...]:
   """f32 (dQ, dK, dV, dbias) given the LSE ``[B, N, T]`` and ``delta =
   rowsum(dO ∘ O) − dLSE`` ``[B, N, T]`` of the whole attention.
 
   Linear in the keys: the gradients of attention over several key sets (ring
   attention's shards) are the sums of these calls with the global statistics.
   ``k_offset`` (f32 ``[B, K, H]``): dQ is taken as dS·(K − k_offset).
+  ``row_sums``: also λ = Σ_j P·slope and D = Σ_j P(dP − δ), f32 ``[B, N,
+  T]`` (slope = 1 − t² of the soft cap, else 1;
+  :func:`sagejax.quant.capped_dq_shift`).
   """
   b, n, t, h = q.shape
   kh, s = k.shape[1], k.shape[2]
@@ -116,15 +135,22 @@ def backward_from_stats(
   lse_use = jnp.where(jnp.isfinite(lse), lse, 0.0)
   k_off = 0.0 if k_offset is None else k_offset[:, :, None, :]
 
-  def block(dq, j):
+  def block(carry, j):
+    dq, lam, d_sum = carry
     start = j * bk
     kb, vb, logits, ok = blocks.logits(start)
     p = jnp.where(ok, jnp.exp(logits - lse_use[..., None]), 0.0)
     dv = jnp.einsum("bkgts,bkgth->bksh", p, do, precision=_HIGHEST)
     dp = jnp.einsum("bkgth,bksh->bkgts", do, vb, precision=_HIGHEST)
     ds = p * (dp - delta[..., None])
+    slope = None
     if logits_soft_cap is not None:  # through S = c·tanh(X / c)
-      ds = ds * (1.0 - jnp.square(logits * (1.0 / logits_soft_cap)))
+      slope = 1.0 - jnp.square(logits * (1.0 / logits_soft_cap))
+    if row_sums:
+      d_sum = d_sum + jnp.sum(ds, axis=-1)
+      lam = lam + jnp.sum(p if slope is None else p * slope, axis=-1)
+    if slope is not None:
+      ds = ds * slope
     dq = dq + jnp.einsum("bkgts,bksh->bkgth", ds, kb - k_off,
                          precision=_HIGHEST) * sm_scale
     dk = jnp.einsum("bkgts,bkgth->bksh", ds, qf, precision=_HIGHEST) * sm_scale
@@ -132,17 +158,21 @@ def backward_from_stats(
     if gbias is not None:
       dbias = _reduce_to(ds, gbias.shape[:-1] + (bk if gbias.shape[-1] > 1
                                                  else 1,))
-    return dq, (dk, dv, dbias)
+    return (dq, lam, d_sum), (dk, dv, dbias)
 
-  dq, (dk, dv, dbias) = jax.lax.scan(block, jnp.zeros_like(qf),
-                                     jnp.arange(s_pad // bk))
+  rows = jnp.zeros((b, kh, g, t), f32)
+  (dq, lam, d_sum), (dk, dv, dbias) = jax.lax.scan(
+      block, (jnp.zeros_like(qf), rows, rows), jnp.arange(s_pad // bk))
   # [nblocks, B, K, bk, H] -> [B, K, S, H]
   def keys_back(x):
     return jnp.moveaxis(x, 0, 2).reshape(b, kh, s_pad, h)[:, :, :s]
   dk, dv = keys_back(dk), keys_back(dv)
   if dbias is not None:
     dbias = _bias_back(dbias, bias.shape)
-  return dq.reshape(b, n, t, h), dk, dv, dbias
+  grads = (dq.reshape(b, n, t, h), dk, dv, dbias)
+  if row_sums:
+    grads += (lam.reshape(b, n, t), d_sum.reshape(b, n, t))
+  return grads
 
 
 class _KeyBlocks:

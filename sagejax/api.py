@@ -138,8 +138,7 @@ def _differentiated(static: _Static, call) -> _Static:
     backward = backends.backward_of(name, call, config)
     if backward is None:
       return name, config
-    config = config.differentiated(
-        call.q.dtype, soft_cap=call.logits_soft_cap is not None)
+    config = config.differentiated(call.q.dtype)
     reason = backends.registry()[name].unsupported(call, config)
     if reason is None:
       return name, config

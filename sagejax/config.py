@@ -76,10 +76,12 @@ class SageConfig:
       with INT8 Q·Kᵀ and FP8 P·V (``sage2-8b``) runs its P·V in 16 bits in
       a forward that a kernel backward follows (:meth:`differentiated`), so
       that it too takes the saved statistics (benchmarks/NOTES.md, B1 and
-      B7); with a logit soft cap, ``"recompute"`` (the rows of dS ∘ (1 −
-      tanh²) do not sum to dLSE, so δ's error reaches dQ times K's mean:
-      cos 0.97 on channel-outlier K from saved statistics; NOTES.md B37).
-      The ``"xla"`` backward always recomputes exactly.
+      B7). Under a logit soft cap the rows of dS ∘ (1 − tanh²) do not sum
+      to dLSE, so δ's error would reach dQ times K's mean (cos 0.996 on
+      channel-outlier K; NOTES.md B37): saved statistics then take two row
+      sums more, which cancel it (:func:`sagejax.quant.capped_dq_shift`;
+      cos ≥ 0.99999, NOTES.md B39). The ``"xla"`` backward always
+      recomputes exactly.
     backward_int8: SageBwd's 8-bit backward (SageAttention3, arXiv
       2505.11594): the kernel backward's Q·Kᵀ recomputation and its Pᵀ·dO,
       dSᵀ·Q and dS·K products in INT8 with per-block scales (Q, K smoothed,
@@ -150,12 +152,9 @@ class SageConfig:
     return self.qk_dtype == "int8" and (self.pv_dtype != "fp8_e4m3"
                                         or self.smooth_v)
 
-  def differentiated(self, dtype=None, soft_cap: bool = False
-                     ) -> "SageConfig":
+  def differentiated(self, dtype=None) -> "SageConfig":
     """The config of a forward under ``jax.grad`` that a kernel backward
-    follows, for inputs of ``dtype`` (``soft_cap``: of a call with a logit
-    soft cap, whose ``"auto"`` statistics are recomputed: the forward is
-    then unchanged).
+    follows, for inputs of ``dtype``.
 
     With ``backward_stats="auto"``, INT8 Q·Kᵀ and FP8 P·V, the P·V product
     runs in 16 bits (FP16 for float16 inputs, else BF16, so that V never
@@ -170,8 +169,6 @@ class SageConfig:
     quantizes in its prologue instead of a pass over Q (benchmarks/NOTES.md,
     B21). Other configs are unchanged.
     """
-    if self.backward_stats == "auto" and soft_cap:
-      return self.replace(backward_stats="recompute")
     if (self.backward_stats == "auto" and self.qk_dtype == "int8"
         and self.pv_dtype == "fp8_e4m3"):
       fp16 = dtype is not None and jnp.dtype(dtype) == jnp.float16

@@ -583,6 +583,19 @@ def soft_cap_base2_and_slope(s: jax.Array, cap: float,
   return (cap * LOG2E) * t, 1.0 - t * t
 
 
+def capped_dq_shift(lam: jax.Array, d_sum: jax.Array, d_lse: jax.Array
+                    ) -> jax.Array:
+  """Under a soft cap, from the forward's saved statistics: the factor of
+  a fixed k̄ (K's mean) that dQ = Σ_j dX_ij K_j gains (before
+  ``sm_scale``), −λ(D − dLSE), from row sums over all keys ``[..., T]``:
+  ``lam`` λ = Σ_j P(1 − t²) and ``d_sum`` D = Σ_j dS = Σ_j P(dP − δ).
+  With exact statistics D = dLSE and it vanishes; with saved ones it
+  cancels the first-order error that δ's makes through Σ_j dX_ij·k̄
+  (benchmarks/NOTES.md B39: dQ cos ≥ 0.99999 against 0.996 without it on
+  channel-outlier K). Pure ``jnp``: the oracle and the kernels share it."""
+  return -lam * (d_sum - d_lse)
+
+
 def _capped_tanh(s, cap, row_shift):
   x = s * (LN2 / cap)
   if row_shift is not None:

@@ -141,6 +141,39 @@ def test_gradients_are_exact_with_cap(qkv, next_key):
     assert error_metrics(g, r)["rel_l2"] < 1e-5
 
 
+@pytest.mark.parametrize("cap", [3.0, 30.0])
+def test_saved_statistics_under_a_cap_keep_dq_exact(cap, qkv, next_key):
+  """The saved-statistics oracle under a cap (the quantized forward's
+  output and LSE, 16-bit P·V as under jax.grad) against the exact
+  gradients on channel-outlier data: with dQ's λ correction (NOTES B39)
+  cos > 0.9999 where the plain dX·K falls below 0.9995 on these inputs;
+  dK, dV need none. Fresh inputs, bottom-right causal, an LSE cotangent."""
+  b, t, s, n, h = 1, 256, 384, 2, 128
+  q, k, v = qkv(b, t, s, n, n, h, kind="qkv_channel_bias",
+                dtype=jnp.bfloat16, layout="BNTH")
+  do = jax.random.normal(next_key(), q.shape)
+  u = jax.random.normal(next_key(), (b, n, t))
+  kw = dict(is_causal=True, causal_alignment="bottom_right",
+            logits_soft_cap=cap, layout="BNTH")
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  out, lse = sagejax.attention(q, k, v, config=config, implementation="xla",
+                               return_lse=True, **kw)
+  call = _inputs.parse(q, k, v, **kw)
+  args = (q, k, v, None, None, None, None, do, u, call.spec, call.sm_scale)
+  got = _vjp.attention_backward(*args, saved=(out, lse),
+                                logits_soft_cap=cap)
+  want = _vjp.attention_backward(*args, logits_soft_cap=cap)  # exact
+  delta = jnp.sum(do * out.astype(jnp.float32), -1) - u
+  plain = _vjp.backward_from_stats(
+      q, k, v, None, None, None, None, do, lse, delta, call.spec,
+      call.sm_scale, logits_soft_cap=cap)[0]
+  cos = lambda a, w: error_metrics(a, w)["cos_sim"]  # noqa: E731
+  assert cos(got[0], want[0]) > 0.9999, cos(got[0], want[0])
+  assert cos(plain, want[0]) < 0.9995, cos(plain, want[0])
+  for g, w in zip(got[1:3], want[1:3]):
+    assert cos(g, w) > 0.9999
+
+
 BACKWARD_TILING = triton_backward.BackwardTiling(
     block_q=16, block_k=32, block_q_dq=32, block_k_dq=16, num_warps=4,
     num_stages=1, num_warps_dq=4, num_stages_dq=1)
@@ -153,7 +186,7 @@ BACKWARD_CASES = [
      dict(is_causal=True, causal_alignment="bottom_right", lengths=True,
           bias=(2, 3, 33, 70))),
     ((1, 64, 64, 2, 2, 32), "BTNH",
-     dict(local_window_size=(20, 3), atomic=True)),
+     dict(local_window_size=(20, 3), atomic=True)),  # (recomputing only)
 ]
 
 
@@ -165,11 +198,22 @@ def test_triton_backward_with_cap(shape, layout, kwargs, stats, qkv,
   products) carry dS back through the cap: recomputing the statistics
   they match jax.grad of exact capped attention (measured ~1e-7); given the
   forward's output and LSE, the "xla" backward given the same. dQ, dK, dV
-  and the bias gradient."""
+  and the bias gradient (saved: with dQ's λ correction, which dQ by
+  atomics cannot make: that raises)."""
   b, t, s, n, kh, h = shape
   kwargs = dict(kwargs)
   tiling = dataclasses.replace(BACKWARD_TILING,
                                dq_atomic=kwargs.pop("atomic", False))
+  if tiling.dq_atomic and stats == "saved":
+    q, k, v = qkv(b, t, s, n, kh, h, dtype=jnp.float32, layout=layout)
+    call = _inputs.parse(q, k, v, layout=layout, logits_soft_cap=CAP,
+                         **kwargs)
+    config = PRESETS["sage1"].replace(backward_stats="saved")
+    with pytest.raises(ValueError, match="dq_atomic=False"):
+      pallas_triton.INTERPRET_BACKEND.backward(
+          call, config, q, None, xla.BACKEND.forward(call, config),
+          tiling=tiling)
+    return
   q, k, v = qkv(b, t, s, n, kh, h, kind="qkv_channel_bias",
                 dtype=jnp.float32, layout=layout)
   bias = None
@@ -244,8 +288,8 @@ def test_lowers_for_cuda_with_cap(qkv, backend, kernel):
 # fields (None: the backend's default for the head dim), Mosaic kernels in
 # the program (the forward's included)
 MOSAIC_BACKWARD_LOWER_CASES = [
-    ("BTNH", 128, dict(is_causal=True), True, None, 2),  # fused, static
-    ("BNTH", 64, dict(), True, None, 2),  # fused, dq turns
+    ("BTNH", 128, dict(is_causal=True), True, None, 3),  # dQ (λ, D), dK/dV
+    ("BNTH", 64, dict(), True, None, 3),  # the same at H=64
     ("BTNH", 128, dict(local_window_size=(50, 3)), False, None,
      3),  # statistics pass, fused
     ("BNTH", 128, dict(is_causal=True), False, dict(), 3),  # dQ exact, dK/dV
@@ -282,17 +326,25 @@ def test_mosaic_backward_with_cap_lowers_for_cuda(qkv, layout, h, masks,
   assert text.count("mosaic_gpu_v2") == kernels, text.count("mosaic_gpu_v2")
 
 
-def test_capped_calls_recompute_the_statistics_by_default():
-  """Under jax.grad a capped call's "auto" statistics are recomputed, its
-  forward unchanged (saved ones lose dQ on channel-outlier K: NOTES B37);
-  an explicit choice stands."""
-  for name in ("sage2-8b", "sage1", "sage2-4b"):
-    preset = PRESETS[name]
-    capped = preset.differentiated(jnp.bfloat16, soft_cap=True)
-    assert capped == preset.replace(backward_stats="recompute")
-    assert not capped.saved_stats
-    saved = preset.replace(backward_stats="saved")
-    assert saved.differentiated(jnp.bfloat16, soft_cap=True) == saved
+def test_capped_saved_statistics_need_the_dq_kernels_row_sums(qkv):
+  """Saved statistics under a cap take λ and D from a dQ kernel (NOTES
+  B39): the Mosaic backend runs its dQ kernel beside dK/dV for them, and
+  the fused kernel, which makes no row sums, refuses them."""
+  q, k, v = qkv(1, 128, 128, 2, 2, 128, dtype=jnp.bfloat16)
+  call = _inputs.parse(q, k, v, logits_soft_cap=30.0)
+  config = PRESETS["sage2-8b"].differentiated(jnp.bfloat16)
+  assert config.saved_stats  # "auto" saves them under a cap too
+  out, lse = xla.BACKEND.forward(call, config)
+  fused = mosaic.default_backward_tiling(128, fused_dq=True)
+  with pytest.raises(ValueError, match="fused_dq=False"):  # (traced only)
+    jax.jit(lambda do: mosaic.BACKEND.backward(
+        call, config, do, None, (out, lse), fused)).trace(q)
+  assert mosaic.BACKEND.backward_unsupported(
+      _inputs.parse(q, k, v, mask=jnp.ones((1, 1, 128, 128), bool),
+                    logits_soft_cap=30.0), config) is not None
+  assert mosaic.BACKEND.backward_unsupported(
+      _inputs.parse(q, k, v, mask=jnp.ones((1, 1, 128, 128), bool)),
+      config) is None
 
 
 @pytest.mark.parametrize("layout,h", [("BTNH", 128), ("BNTH", 64)])
@@ -444,47 +496,48 @@ def _capped_case(qkv, shape, kwargs, tiling, monkeypatch):
   return layout, kwargs, q, k, v, do, u
 
 
-# (B, T, S, N, K, H), attention kwargs, cap, tiling ("unfused": dQ in its
-# own kernel; None: the defaults), implementations.
+# (B, T, S, N, K, H), attention kwargs, cap, backward_stats,
+# implementations.
 BACKWARD_GPU_CASES = [
-    ((1, 4096, 4096, 8, 2, 128), dict(is_causal=True), 50.0, None,
+    ((1, 4096, 4096, 8, 2, 128), dict(is_causal=True), 50.0, "auto",
      ("mosaic", "pallas")),
-    ((2, 1024, 1024, 4, 4, 128), {}, 3.0, None, ("mosaic", "pallas")),
+    ((2, 1024, 1024, 4, 4, 128), {}, 3.0, "auto", ("mosaic", "pallas")),
     ((1, 1000, 3000, 8, 1, 64), dict(is_causal=True, lengths=True,
                                      causal_alignment="bottom_right"),
-     3.0, None, ("mosaic", "pallas")),
+     3.0, "auto", ("mosaic", "pallas")),
     ((1, 777, 1023, 4, 2, 96), dict(layout="BNTH", lengths=True), 30.0,
-     None, ("mosaic",)),
-    ((2, 1000, 1000, 8, 2, 256), dict(is_causal=True), 30.0, None,
+     "recompute", ("mosaic",)),
+    ((2, 1000, 1000, 8, 2, 256), dict(is_causal=True), 30.0, "auto",
      ("mosaic",)),
     ((1, 2048, 2048, 4, 2, 128), dict(is_causal=True,
                                       local_window_size=(700, 0)),
-     3.0, "unfused", ("mosaic",)),
+     3.0, "recompute", ("mosaic",)),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm90 GPU")
 @pytest.mark.parametrize(
-    "shape,kwargs,cap,tiling,impl",
+    "shape,kwargs,cap,stats,impl",
     [case[:4] + (impl,) for case in BACKWARD_GPU_CASES for impl in case[4]])
 def test_gpu_kernel_backward_with_cap_matches_exact(shape, kwargs, cap,
-                                                    tiling, impl, qkv,
+                                                    stats, impl, qkv,
                                                     monkeypatch):
-  """jax.grad of capped attention (default config: the statistics
-  recomputed) through a kernel forward and a kernel backward (the Mosaic
-  one: a statistics pass then dQ fused, dQ turns at H=64, or the exact
-  statistics in the dQ kernel; above H=128 and for "pallas" the Triton one)
-  against the exact FP32 gradients, the LSE's cotangent too: cos > 0.999
-  on channel-outlier data; outputs poisoned."""
+  """jax.grad of capped attention through a kernel forward and a kernel
+  backward against the exact FP32 gradients, the LSE's cotangent too: cos
+  > 0.999 on channel-outlier data; outputs poisoned. "auto": the 16-bit-P·V
+  forward's saved statistics, dQ corrected by its row sums (NOTES B39; the
+  Mosaic dQ kernel beside dK/dV, the wide kernels at H=256, the Triton
+  one); "recompute": the exact statistics made by the dQ kernel."""
   h = shape[-1]
-  layout, kwargs, q, k, v, do, u = _capped_case(qkv, shape, kwargs, tiling,
+  layout, kwargs, q, k, v, do, u = _capped_case(qkv, shape, kwargs, None,
                                                 monkeypatch)
-  config = PRESETS["sage2-8b"]
+  config = PRESETS["sage2-8b"].replace(backward_stats=stats)
   call = _inputs.parse(q, k, v, layout=layout, logits_soft_cap=cap, **kwargs)
-  diff = config.differentiated(q.dtype, soft_cap=True)
-  assert not diff.saved_stats  # "auto" recomputes under a cap
-  want_bwd = "pallas" if impl == "mosaic" and h > 128 else impl
+  diff = config.differentiated(q.dtype)
+  assert diff.saved_stats == (stats == "auto")
+  want_bwd = ("pallas" if impl == "mosaic" and h > 128 and stats != "auto"
+              else impl)
   assert backends.backward_of(impl, call, diff).name == want_bwd
 
   grads = functools.partial(attention_grads, q, k, v, do, u, config=config,
@@ -520,11 +573,12 @@ SAVED_GPU_CASES = [
 @pytest.mark.parametrize("shape,kwargs,cap,tiling,impl", SAVED_GPU_CASES)
 def test_gpu_kernel_backward_with_cap_from_saved_statistics(
     shape, kwargs, cap, tiling, impl, qkv, monkeypatch):
-  """With the statistics saved by the forward (chosen explicitly), the
-  kernel backward with a cap (the Mosaic one: dQ fused, dQ turns at H=64,
-  dQ given δ, the wide kernels at H=256; the Triton one) against the "xla"
-  backward given the same output and LSE: cos > 0.999 (16-bit products
-  against FP32); outputs poisoned."""
+  """With the statistics saved by the forward, the kernel backward with a
+  cap (the Mosaic one: its dQ kernel, row sums and all, beside dK/dV at
+  H=128 and 64, the wide kernels at H=256; the Triton one) against the
+  "xla" backward given the same output and LSE, the same λ correction of
+  dQ included: cos > 0.999 (16-bit products against FP32); outputs
+  poisoned."""
   layout, kwargs, q, k, v, do, u = _capped_case(qkv, shape, kwargs, tiling,
                                                 monkeypatch)
   config = PRESETS["sage2-8b"].replace(pv_dtype="bf16",

@@ -31,8 +31,10 @@ product, with saved statistics only. Calls it does not serve
 above 128 recomputing the statistics, mask arrays other than at head dims
 65-128 with the forward's statistics, bias arrays) take the ``"pallas"``
 backward kernels. With a soft cap the backward kernels take K unsmoothed
-and the LSE of the capped logits; a mask array streams, transposed, to the
-fused kernel beside Q.
+and the LSE of the capped logits, and saved statistics take the dQ kernel
+beside dK/dV (not the fused one): its row sums correct dQ
+(:func:`sagejax.quant.capped_dq_shift`, K's sampled mean as k̄); a mask
+array streams, transposed, to the fused kernel beside Q (uncapped).
 """
 
 from __future__ import annotations
@@ -378,12 +380,12 @@ class _MosaicBackend:
               "backward makes its gradient")
     if call.mask is not None and not (
         max(64, next_pow2(call.dims[3])) == 2 * mosaic_backward.ROWS
-        and config.saved_stats and self.backward_tiling is None):
+        and config.saved_stats and call.logits_soft_cap is None
+        and self.backward_tiling is None):
       return (f"the Hopper backward takes a mask array at head dims 65-"
               f"{2 * mosaic_backward.ROWS} with the forward's statistics "
-              "(backward_stats 'saved', or 'auto' without a soft cap) in "
-              "its fused kernel; the 'pallas' backward takes other mask "
-              "calls")
+              "(backward_stats 'saved' or 'auto') and no soft cap, in its "
+              "fused kernel; the 'pallas' backward takes other mask calls")
     if (call.dims[3] > mosaic_backward.WIDE_ABOVE_HEAD_DIM
         and not config.saved_stats):
       return (f"above H={mosaic_backward.WIDE_ABOVE_HEAD_DIM} the Hopper "
@@ -404,10 +406,12 @@ class _MosaicBackend:
     b, n, t, h, kh, s = call.dims
     hp = max(64, next_pow2(h))
     out, lse = (None, None) if saved is None else saved
+    cap = call.logits_soft_cap
     # δ from the saved output: dQ is accumulated in the dK/dV kernel (one
     # kernel of 5 products); else the dQ kernel also makes the statistics.
+    # Under a soft cap the saved statistics need the dQ kernel's row sums.
     tiling = tiling or self.backward_tiling or default_backward_tiling(
-        hp, fused_dq=out is not None)
+        hp, fused_dq=out is not None and cap is None)
     unit = 2 * mosaic_backward.ROWS  # a multiple of every tile
     t_pad, s_pad = -(-t // unit) * unit, -(-s // unit) * unit
     layout = call.layout
@@ -422,17 +426,18 @@ class _MosaicBackend:
 
     q_lengths = quant.valid_lengths(call.q_lengths, b, t)
     kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
-    cap = call.logits_soft_cap
     # K smoothed: dQ never multiplies a large mean (any fixed k̄ gives the
     # same gradient: a sampled one, no pass over K); with a soft cap, which
-    # is not shift invariant, K as it is. V smoothed when the dQ kernel
-    # makes the statistics: dP − δ is unchanged, but its sums do not cancel
-    # a large V mean.
+    # is not shift invariant, K as it is, and the sampled k̄ is where the
+    # saved statistics' dQ correction goes (quant.capped_dq_shift). V
+    # smoothed when the dQ kernel makes the statistics: dP − δ is
+    # unchanged, but its sums do not cancel a large V mean.
     if cap is not None:
       if k_bar is not None or saved_lse2:
         raise ValueError("a soft-capped call's backward takes K and the "
                          "LSE, not K − k̄ or lse₂.")
-      kc, k_mean = pad(call.k, s_pad), jnp.zeros((b, kh, hp), f32)
+      kc = pad(call.k, s_pad)
+      k_mean = quant.sampled_mean(kc, kv_lengths, token_axis=t_ax)
     elif k_bar is not None:  # the forward's K pass made K − k̄
       if not saved_lse2:
         raise ValueError("k_bar (K centred by the forward) goes with "

@@ -420,9 +420,10 @@ class _PallasTritonBackend:
       shift = quant.lse_shift(
           quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
           k_mean[..., :h], call.sm_scale)
-    else:  # capped logits are not shift invariant: K as it is
+    else:  # capped logits are not shift invariant: K as it is (k̄ for
+      # the saved statistics' dQ correction only: quant.capped_dq_shift)
       kc = pad(call.k, s_pad)
-      k_mean = jnp.zeros((b, kh, hp), jnp.float32)
+      k_mean = quant.sampled_mean(kc, kv_lengths, token_axis=t_ax)
       shift = jnp.zeros((b, n, t), jnp.float32)
     q, v, do = pad(call.q, t_pad), pad(call.v, s_pad), pad(d_out, t_pad)
     vec = lambda x, value=0.0: pad_axis(x.astype(jnp.float32), 2, t_pad,
@@ -431,9 +432,11 @@ class _PallasTritonBackend:
     if saved is not None and saved[0] is not None:  # else recompute
       out, lse = pad(saved[0].astype(q.dtype), t_pad), vec(saved[1], -jnp.inf)
     int8_ops = None
-    if int8:
-      int8_ops = self._int8_operands(q, pad(call.k, s_pad), do, k_mean,
-                                     q_lengths, kv_lengths, layout, tiling)
+    if int8:  # (capped: K unsmoothed)
+      int8_ops = self._int8_operands(
+          q, pad(call.k, s_pad), do,
+          k_mean if cap is None else jnp.zeros_like(k_mean), q_lengths,
+          kv_lengths, layout, tiling)
     dbias_shape = None
     if call.bias is not None:
       bb, bn, bt, bs = call.bias.shape

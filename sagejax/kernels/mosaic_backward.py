@@ -211,24 +211,28 @@ def last_round_split(rows: int, tiles_per_row: int, steps: int,
 def _hand_over(tile, smem, free_bar, ready_bar, *, n_step, buf) -> None:
   """A wide kernel's consumer leaves ``tile`` in buffer ``buf`` (of two) of
   ``smem`` for the other consumer, once that one has freed it (the tile of
-  two steps ago), and arrives on ``ready_bar``."""
+  two steps ago), and arrives on ``ready_bar``. ``tile`` and ``smem`` may
+  be tuples (several tiles, one barrier)."""
   @pl.when(n_step >= 2)
   def _():
     plgpu.barrier_wait(free_bar.at[buf])
 
-  smem.at[buf][...] = tile
+  pairs = zip(tile, smem) if isinstance(tile, tuple) else [(tile, smem)]
+  for x, ref in pairs:
+    ref.at[buf][...] = x
   plgpu.commit_smem()
   plgpu.barrier_arrive(ready_bar.at[buf])
 
 
-def _take_over(smem, ready_bar, free_bar, *, buf) -> jax.Array:
+def _take_over(smem, ready_bar, free_bar, *, buf):
   """The tile the other consumer left in buffer ``buf`` of ``smem``
-  (:func:`_hand_over`), loaded into registers once it is ready; the buffer
-  is then freed at once."""
+  (:func:`_hand_over`; a tuple of them for a tuple ``smem``), loaded into
+  registers once it is ready; the buffer is then freed at once."""
   plgpu.barrier_wait(ready_bar.at[buf])
-  tile = load_all(smem.at[buf], plgpu.Layout.WGMMA)
+  refs = smem if isinstance(smem, tuple) else (smem,)
+  tiles = tuple(load_all(ref.at[buf], plgpu.Layout.WGMMA) for ref in refs)
   plgpu.barrier_arrive(free_bar.at[buf])
-  return tile
+  return tiles if isinstance(smem, tuple) else tiles[0]
 
 
 def _query_cta(ql_ref, kl_ref, *, causal: bool, num_q_tiles: int, g: int):
@@ -270,6 +274,14 @@ def _fence_async_shared() -> None:
                     has_side_effects=True)
 
   fence()
+
+
+def _capped_sums(lam: jax.Array, d_sum: jax.Array, pw: jax.Array,
+                 ds: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A dQ kernel's running row sums under a soft cap, from saved
+  statistics (:func:`sagejax.quant.capped_dq_shift`): λ += Σ_j P ∘ slope
+  (``pw``), D += Σ_j P (dP − δ) (``ds``, before the slope)."""
+  return lam + pw.sum(axis=1), d_sum + ds.sum(axis=1)
 
 
 def _product(acc: jax.Array, operands) -> jax.Array:
@@ -399,7 +411,8 @@ def attention_backward(
       rowsum P̂ exactly (one more product than with δ given).
     d_lse: f32 ``[B, N, T_pad]``, the LSE's cotangent (0 where a row sees
       no key); each row of dS sums to it, so dQ gains dLSE·k̄·sm_scale.
-    k_mean: f32 ``[B, K, H]``, the k̄ taken out of ``k``.
+    k_mean: f32 ``[B, K, H]``, the k̄ taken out of ``k`` (under a soft cap:
+      see ``logits_soft_cap``).
     spec: causal / window description (unpadded ``q_len``/``kv_len``).
     q_lengths, kv_lengths: int32 ``[B]`` valid lengths.
     tiling: kernel tiles; ``tiling.fused_dq`` picks the dQ arrangement.
@@ -409,9 +422,12 @@ def attention_backward(
     num_sms: the device's SMs, for ``tiling.split_last_round``'s plan.
     logits_soft_cap: Gemma-2's cap ``c``: the logits ``x`` become
       ``c·tanh(x / c)`` and dS is carried back through it (dX = dS ∘ (1 −
-      tanh²)). ``k`` must then be K itself (``k_mean`` zeros, ``lse2`` the
-      capped logits' base-2 LSE): the cap is not shift invariant, and the
-      rows of dX do not sum to dLSE.
+      tanh²)). ``k`` must then be K itself (``lse2`` the capped logits'
+      base-2 LSE): the cap is not shift invariant, and the rows of dX do
+      not sum to dLSE. With ``delta`` given (saved statistics), dQ gains
+      −λ(D − dLSE)·k̄·sm_scale instead, ``k_mean`` being k̄ (any vector
+      near K's mean; :func:`sagejax.quant.capped_dq_shift`), from row sums
+      that only the dQ kernels make: not with ``tiling.fused_dq``.
     mask: the caller's mask array transposed, bf16 0/1 ``[B|1, N|1, S_pad,
       T_pad]`` (nonzero: attend), or None. Only in the fused kernel
       (``tiling.fused_dq``, δ given) at H=128: each step's tile streams
@@ -444,6 +460,11 @@ def attention_backward(
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"logits_soft_cap={logits_soft_cap!r}: pass a float > 0 "
                      "or None.")
+  if logits_soft_cap is not None and fused and delta is not None:
+    raise ValueError(
+        "Under a soft cap, saved statistics (delta given) need the row sums "
+        "of the dQ kernel (NOTES B39), which the fused kernel does not "
+        "make: pass MosaicBackwardTiling(fused_dq=False), or delta=None.")
   if mask is not None and (
       not fused or delta is None or h != 2 * ROWS or mask.ndim != 4
       or mask.dtype != jnp.bfloat16 or mask.shape[2:] != (s_pad, t_pad)
@@ -486,6 +507,8 @@ def attention_backward(
     dk, dv, *parts = lax.optimization_barrier((dk, dv, *parts))
     dk, dv = (_place_parts(x, x_parts, layout) for x, x_parts in
               zip((dk, dv), parts))
+  if logits_soft_cap is not None:  # exact statistics: no k̄ term
+    return (acc[...] * sm_scale).astype(q.dtype), dk, dv
   # Σ_j dS_ij = dLSE_i: the K mean's share of dQ.
   g = n // kh
   shift = d_lse[..., None] * jnp.repeat(k_mean.astype(jnp.float32), g,
@@ -1010,7 +1033,9 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
   they see; consumer 0 makes S = Q·Kᵀ and P and leaves P in shared memory;
   consumer 1 makes dP = dO·Vᵀ, dS and adds dS·K into dQ (64 × H f32). The
   consumers' products are unequal (1 : 2) but the tensor cores are shared,
-  and the hand-off goes one way (benchmarks/NOTES.md B31)."""
+  and the hand-off goes one way (benchmarks/NOTES.md B31). Under a soft cap
+  consumer 0 hands over P as well as P ∘ slope, for the row sums of
+  :func:`_capped_sums`."""
   b, n, t_pad, h, kh, s_pad = dims
   g = n // kh
   bkv, stages = tiling.block_kv, tiling.num_stages
@@ -1021,9 +1046,13 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   order = tiling.unmasked_first
 
+  capped = soft_cap is not None
+
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dlse_ref, km_ref,
              ql_ref, kl_ref, dq_ref, scratch):
-    (rows_smem, vec_smem, km_smem, k_smem, v_smem, p_smem) = scratch[0]
+    (rows_smem, vec_smem, km_smem, k_smem, v_smem, p_smem) = scratch[0][:6]
+    if capped:  # P itself beside P ∘ slope
+      p_smem = (p_smem, scratch[0][6])
     (row_bar0, row_bar1, in_bar, free, p_ready, p_free) = scratch[1]
     head, qt, batch, wg, kv_head, q_len, kv_len = _query_cta(
         ql_ref, kl_ref, causal=spec.is_causal, num_q_tiles=num_q_tiles, g=g)
@@ -1062,25 +1091,40 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
               (lambda: _visible(spec, row0, j * bkv, (ROWS, bkv), q_len,
                                 kv_len, keys_on_rows=False))
               if masked else None)
+          tile = p.astype(dtype)
           if slope is not None:  # consumer 1's dS = this ∘ (dP − δ)
-            p = p * slope
-          _hand_over(p.astype(dtype), p_smem, p_free, p_ready,
-                     n_step=n_step, buf=buf)
+            tile = ((p * slope).astype(dtype), tile)
+          _hand_over(tile, p_smem, p_free, p_ready, n_step=n_step, buf=buf)
         else:  # dP = dO·Vᵀ, dS, dQ += dS·K
           dp = _product(zeros, lambda: (
               rows_smem.at[1], v_smem.at[slot].transpose((1, 0))))
           p = _take_over(p_smem, p_ready, p_free, buf=buf)
+          if capped:  # (P ∘ slope, P)
+            dq, lam, d_sum = dq
+            (pw, p), dp_rel = p, dp - row_vec
+            lam, d_sum = _capped_sums(lam, d_sum, pw.astype(jnp.float32),
+                                      p.astype(jnp.float32) * dp_rel)
+            p = pw
           ds = (p.astype(jnp.float32) * (dp - row_vec)).astype(dtype)
           dq = _product(dq, lambda: (ds, k_smem.at[slot]))
+          if capped:
+            dq = (dq, lam, d_sum)
         plgpu.barrier_arrive(free.at[slot])
         return dq
 
       if c_ == 0:
         visit_blocks(blocks, step, (), unmasked_first=order)
         return
-      dq = visit_blocks(blocks, step, _zeros(ROWS, h), unmasked_first=order)
-      dq = dq + (lax.broadcast_in_dim(load_all(vec_smem.at[1, 1], row_layout),
-                                      (ROWS, h), [0])
+      init = _zeros(ROWS, h)
+      if capped:
+        rows0 = _zeros(ROWS, layout=row_layout)
+        init = (init, rows0, rows0)
+      dq = visit_blocks(blocks, step, init, unmasked_first=order)
+      coef = load_all(vec_smem.at[1, 1], row_layout)  # dLSE
+      if capped:
+        dq, lam, d_sum = dq
+        coef = quant.capped_dq_shift(lam, d_sum, coef)
+      dq = dq + (lax.broadcast_in_dim(coef, (ROWS, h), [0])
                  * lax.broadcast_in_dim(load_all(km_smem, col_layout),
                                         (ROWS, h), [1]))
       # Through dO's rows: this consumer alone read them.
@@ -1118,8 +1162,10 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
         plgpu.SMEM((h,), jnp.float32),  # k̄
         wgmma_smem((stages, bkv, h), dtype),  # the ring: K, V
         wgmma_smem((stages, bkv, h), dtype),
-        wgmma_smem((2, ROWS, bkv), dtype),  # P of two steps
+        wgmma_smem((2, ROWS, bkv), dtype),  # P (∘ slope) of two steps
     )
+    if capped:  # and P itself
+      smem += (wgmma_smem((2, ROWS, bkv), dtype),)
     one = lambda: plgpu.Barrier(num_arrivals=1, num_barriers=2)
     barriers = (plgpu.Barrier(num_arrivals=2),  # Q, lse₂
                 plgpu.Barrier(num_arrivals=4),  # dO, δ, dLSE, k̄
@@ -1129,11 +1175,14 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
     pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers,
                   collective_axes="wg")
 
+  # The row sums reduce within warps: none of Mosaic's reduction scratch,
+  # whose 2 KB the capped kernel's shared memory would not leave.
+  params = (plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+            if capped else plgpu.CompilerParams(approx_math=True))
   return plgpu.kernel(
       entry, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(n, num_q_tiles, b), grid_names=("heads", "q_tiles", "batch"),
-      num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True))(
+      num_threads=3, thread_name="wg", compiler_params=params)(
           q, k, v, d_out, lse2, delta, d_lse, k_mean.astype(jnp.float32),
           q_lengths, kv_lengths)
 
@@ -1144,7 +1193,10 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
         stats_only: bool = False):
   """dQ; with ``delta=None`` also the exact (lse₂, δ): ``lse2`` is then an
   estimate (e.g. the quantized forward's) that the row sums correct.
-  ``stats_only``: (lse₂, δ) alone (two products per tile, no dQ)."""
+  ``stats_only``: (lse₂, δ) alone (two products per tile, no dQ). Under a
+  soft cap with δ given, dQ gains −λ(D − dLSE)·k̄ from its row sums
+  (:func:`sagejax.quant.capped_dq_shift`; ``k_mean`` is then k̄, K's
+  mean, and ``k`` K itself); recomputing, no k̄ term."""
   b, n, t_pad, h, kh, s_pad = dims
   g = n // kh
   bkv, stages = tiling.block_kv, tiling.num_stages
@@ -1156,6 +1208,7 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
     raise ValueError("stats_only needs delta=None")
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
+  capped_sums = soft_cap is not None and not exact
 
   def kernel(*refs):
     if stats_only:
@@ -1236,6 +1289,16 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
           dq, pk = pl.run_state(grad)((plgpu.ACC.init(dq),
                                        plgpu.ACC.init(pk)))
           carry = (dq, pk, l, pdp_sum)
+        elif capped_sums:  # dQ += dS·K; λ and D
+          dq, lam, d_sum = carry
+          ds = p * (dp - rows_of(dl))
+          lam, d_sum = _capped_sums(lam, d_sum, pw, ds)
+          ds = ds * slope
+
+          def grad(acc_ref):
+            plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+          carry = (pl.run_state(grad)(plgpu.ACC.init(dq)), lam, d_sum)
         else:  # dQ += dS·K
           ds = pw * (dp - rows_of(dl))
 
@@ -1264,13 +1327,20 @@ def _dq(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths, kv_lengths,
         lse_smem.at[wg][...] = jnp.where(
             seen, lse + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
         dl_smem.at[wg][...] = delta_row
+      elif capped_sums:
+        dq, lam, d_sum = visit_blocks(blocks, step,
+                                      (_zeros(ROWS, h), zero_rows, zero_rows))
       else:
         dq = visit_blocks(blocks, step, _zeros(ROWS, h))
-      if not stats_only:
-        # Σ_j dS_ij = dLSE_i: the K mean's share of dQ.
-        dq = dq + (lax.broadcast_in_dim(dlse, (ROWS, h), [0])
+      # Σ_j dS_ij = dLSE_i: the K mean's share of dQ (capped: see above).
+      coef = None if soft_cap is not None and exact else dlse
+      if capped_sums:
+        coef = quant.capped_dq_shift(lam, d_sum, dlse)
+      if coef is not None and not stats_only:
+        dq = dq + (lax.broadcast_in_dim(coef, (ROWS, h), [0])
                    * lax.broadcast_in_dim(
                        load_all(km_smem.at[wg], col_layout), (ROWS, h), [1]))
+      if not stats_only:
         q_smem.at[wg][...] = (dq * sm_scale).astype(dtype)  # Q is done with
       plgpu.commit_smem()
       if not stats_only:

@@ -466,6 +466,7 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
   i = q_block_of(pl.program_id(0))
   q_len, kv_len = ql_ref[...], kl_ref[...]
   q_first = i * block_q
+  capped = soft_cap is not None  # λ and D (quant.capped_dq_shift) too
   blocks = key_blocks(spec, q_first, block_q, q_len, kv_len, block_k,
                       num_kv_blocks, all_masked)
   q = q_ref[...]
@@ -476,27 +477,41 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
   rows = q_first + jnp.arange(block_q)
   c = sm_scale * quant.LOG2E
 
-  def body(j, dq, masked: bool):
+  def body(j, carry, masked: bool):
     (k, k_scale), v, (s, slope) = _key_tile(
         j, block_k, q, q_scale, k_ref, ks_ref, v_ref, c, bias_ref, mask_ref,
         spec, rows, q_len, kv_len, masked, soft_cap)
     p = jnp.exp2(s - lse2[:, None])
     dp = _dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
-    if slope is not None:  # back to the logits before the cap
+    if capped:  # back to the logits before the cap; the row sums
+      dq, lam, d_sum = carry
+      lam, d_sum = lam + jnp.sum(p * slope, axis=1), d_sum + jnp.sum(ds, 1)
       ds = ds * slope
+    else:
+      dq = carry
     if int8:
       ds8, ds_scale = _quantize_tile(ds, interpret)
-      return dq + _dot(ds8, k).astype(jnp.float32) * (
+      dq = dq + _dot(ds8, k).astype(jnp.float32) * (
           ds_scale * jnp.max(k_scale))
-    return dq + _dot(ds.astype(k.dtype), k)
+    else:
+      dq = dq + _dot(ds.astype(k.dtype), k)
+    return (dq, lam, d_sum) if capped else dq
 
-  dq = visit_blocks(blocks, body, jnp.zeros((block_q, q_ref.shape[-1]),
-                                            jnp.float32),
-                    unmasked_first=unmasked_first)
-  if dlse_ref is not None:  # Σ_j dS_ij = dLSE_i: the K mean's share
-    dlse = jnp.where(lse2 < _INF, dlse_ref[...], 0.0)
+  dq = jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32)
+  if capped:
+    dq = (dq, jnp.zeros((block_q,), jnp.float32),
+          jnp.zeros((block_q,), jnp.float32))
+  dq = visit_blocks(blocks, body, dq, unmasked_first=unmasked_first)
+  if kbar_ref is not None:  # Σ_j dS_ij = dLSE_i: the K mean's share
+    dlse = (jnp.zeros_like(lse2) if dlse_ref is None else
+            jnp.where(lse2 < _INF, dlse_ref[...], 0.0))
+    if capped:  # from saved statistics (exact ones: D = dLSE, nothing)
+      dq, lam, d_sum = dq
+      dlse = quant.capped_dq_shift(lam, d_sum, dlse)
     dq = dq + dlse[:, None] * kbar_ref[...][None, :]
+  elif capped:
+    dq = dq[0]
   dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
 
 
@@ -552,9 +567,13 @@ def attention_backward(
     int8: SageBwd's INT8 operands (see :func:`quantize_int8`), or None.
     logits_soft_cap: Gemma-2's cap ``c`` (natural-log logits x, after the
       bias, become ``c·tanh(x / c)`` before the masks), or None. With a cap
-      ``k`` must not be smoothed (``k_mean`` and ``lse_shift`` zeros, ``d_lse``
-      None or with a zero ``k_mean``): the rows of dX = dS ∘ (1 − tanh²)
-      do not sum to dLSE, so no K mean can be taken out of dQ.
+      ``k`` must not be smoothed (``lse_shift`` zeros): the rows of dX = dS
+      ∘ (1 − tanh²) do not sum to dLSE, so no K mean can be taken out of
+      dQ; ``k_mean`` is then k̄, any vector near K's mean, and the dQ
+      kernel adds −λ(D − dLSE)·k̄ from its row sums
+      (:func:`sagejax.quant.capped_dq_shift`; nothing with exact
+      statistics). Saved statistics not with ``tiling.dq_atomic`` (no
+      row sums there).
 
   Returns:
     (dq, dk, dv in the inputs' layout and dtypes, padded; dbias f32 in
@@ -569,6 +588,10 @@ def attention_backward(
     if size % tile:
       raise ValueError(f"padded length {size} is not a multiple of the "
                        f"tiling's {what}={tile}.")
+  if logits_soft_cap is not None and tiling.dq_atomic and out is not None:
+    raise ValueError("Under a soft cap, saved statistics need the row sums "
+                     "of the dQ kernel: pass BackwardTiling(dq_atomic=False)"
+                     " or recompute the statistics (out=None).")
   all_masked = mask is not None or bias is not None
   causal = spec.is_causal
   f32 = jnp.float32
@@ -713,7 +736,7 @@ def attention_backward(
   # --- dQ ---------------------------------------------------------------------
   if tiling.dq_atomic:
     dq = dq_acc
-    if d_lse is not None:  # Σ_j dS_ij = dLSE_i: the K mean's share
+    if d_lse is not None and logits_soft_cap is None:  # Σ_j dS_ij = dLSE_i
       dl = jnp.where(lse2 < _INF, d_lse, 0.0) * sm_scale
       dl = dl[..., None] * jnp.repeat(k_mean, g, axis=1)[:, :, None, :]
       dq = dq + (jnp.swapaxes(dl, 1, 2) if layout == "BTNH" else dl)
@@ -736,16 +759,17 @@ def attention_backward(
     q_in, k_in = (q, q_blk), (k, kv_full)
     qs_in = ks_in = (None, None)
   head_vec = pl.BlockSpec((None, None, h), lambda x, y, z: (y, z // g, 0))
+  with_kbar = d_lse is not None or logits_soft_cap is not None
   dq = pl.pallas_call(
       kernel, grid=grid2,
       in_specs=[q_in[1], qs_in[1], k_in[1], ks_in[1], kv_full, q_blk, vec2,
                 vec2, None if d_lse is None else vec2,
-                None if d_lse is None else head_vec, band2(mask),
+                head_vec if with_kbar else None, band2(mask),
                 band2(bias), per_batch, per_batch],
       out_specs=q_blk, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps_dq,
                                            num_stages=tiling.num_stages_dq),
       interpret=interpret, name="sage_attention_bwd_dq",
   )(q_in[0], qs_in[0], k_in[0], ks_in[0], v, d_out, lse2, delta, d_lse,
-    None if d_lse is None else k_mean, mask, bias, q_lengths, kv_lengths)
+    k_mean if with_kbar else None, mask, bias, q_lengths, kv_lengths)
   return dq, dk, dv, dbias
