@@ -55,8 +55,10 @@ def attention_backward(
   that δ's error never multiplies a large K mean — the oracle of the kernel
   backward's saved-statistics path. Under a soft cap the rows of dX = dS ∘
   (1 − t²) do not sum to dLSE; dQ is then dX·K − λ(D − dLSE)·k̄ with λ =
-  Σ_j P(1 − t²) and D = Σ_j dS (:func:`sagejax.quant.capped_dq_shift`), which removes
-  δ's first-order error there (benchmarks/NOTES.md B39).
+  Σ_j P(1 − t²) and D = Σ_j dS (:func:`sagejax.quant.capped_dq_shift`),
+  which removes δ's first-order error there (benchmarks/NOTES.md B39), k̄
+  being the kernels' sampled mean (the result depends on k̄ at second
+  order).
   """
   f32 = jnp.float32
   masks = (bias, mask, q_lengths, kv_lengths)
@@ -71,7 +73,7 @@ def attention_backward(
   # Rows of dS sum to dLSE, not those of dX under a soft cap: no k̄ split.
   centred = saved is not None and logits_soft_cap is None
   capped_saved = saved is not None and logits_soft_cap is not None
-  kbar = None  # (capped: the kernels' sampled mean, which moves the result)
+  kbar = None
   if centred:
     kbar = quant.token_mean(k, kv_lengths)
   elif capped_saved:
