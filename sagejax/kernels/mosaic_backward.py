@@ -1099,12 +1099,11 @@ def _dq_wide(q, k, v, d_out, lse2, delta, d_lse, k_mean, q_lengths,
           dp = _product(zeros, lambda: (
               rows_smem.at[1], v_smem.at[slot].transpose((1, 0))))
           p = _take_over(p_smem, p_ready, p_free, buf=buf)
-          if capped:  # (P ∘ slope, P)
+          if capped:  # (P ∘ slope, P): dS from the first, D from both
             dq, lam, d_sum = dq
-            (pw, p), dp_rel = p, dp - row_vec
-            lam, d_sum = _capped_sums(lam, d_sum, pw.astype(jnp.float32),
-                                      p.astype(jnp.float32) * dp_rel)
-            p = pw
+            (p, p_plain), dp_rel = p, dp - row_vec
+            lam, d_sum = _capped_sums(lam, d_sum, p.astype(jnp.float32),
+                                      p_plain.astype(jnp.float32) * dp_rel)
           ds = (p.astype(jnp.float32) * (dp - row_vec)).astype(dtype)
           dq = _product(dq, lambda: (ds, k_smem.at[slot]))
           if capped:

@@ -504,14 +504,13 @@ def _dq_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, lse2_ref,
           jnp.zeros((block_q,), jnp.float32))
   dq = visit_blocks(blocks, body, dq, unmasked_first=unmasked_first)
   if kbar_ref is not None:  # Σ_j dS_ij = dLSE_i: the K mean's share
+    # (capped: always given, for the correction)
     dlse = (jnp.zeros_like(lse2) if dlse_ref is None else
             jnp.where(lse2 < _INF, dlse_ref[...], 0.0))
     if capped:  # from saved statistics (exact ones: D = dLSE, nothing)
       dq, lam, d_sum = dq
       dlse = quant.capped_dq_shift(lam, d_sum, dlse)
     dq = dq + dlse[:, None] * kbar_ref[...][None, :]
-  elif capped:
-    dq = dq[0]
   dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
 
 
