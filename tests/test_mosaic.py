@@ -420,7 +420,9 @@ def test_q_is_quantized_in_the_kernel_where_its_groups_allow(config, dtype,
 
 @pytest.mark.parametrize("tiling", ["overlap_qk", "generic_softmax",
                                     "three_consumers", "persistent_5_ctas",
-                                    "persistent_three_consumers_5_ctas"])
+                                    "persistent_three_consumers_5_ctas",
+                                    "three_consumers_unscheduled",
+                                    "per_key_scales"])
 def test_pipelining_variants_lower_for_cuda(tiling):
   """The non-default consumer pipelines lower for CUDA on the CPU too
   (their arithmetic is checked on the GPU against "xla")."""
@@ -567,6 +569,67 @@ def test_default_tiling_is_persistent_only_for_ordered_tiles():
   assert (wide16.block_kv, wide16.pv_part_cols) == (64, 128)
 
 
+def test_long_non_causal_calls_take_three_consumers():
+  """Past 4096 keys, a non-causal call whose tiles all do the same work,
+  with FP8 P·V and grouped K scales, runs three consumers of 64 rows
+  without the schedule barrier (benchmarks/NOTES.md, Mosaic section 35);
+  causal, windowed, capped, 16-bit-P·V or per-token-K calls keep two.
+  It lowers for CUDA."""
+  config = PRESETS["sage2-8b"]
+  q, k, v = _data(1, 200, mosaic.PERSISTENT_MAX_KEYS + 904, 4, 2, 128)
+  pick = lambda config=config, **kw: mosaic.default_tiling(
+      128, config, _inputs.parse(q, k, v, **kw))
+  three = pick()
+  assert (three.num_consumers, three.schedule_barrier, three.persistent,
+          three.consumer_registers, three.group_key_scales) == (
+              3, False, False, 160, True)
+  for kw in (dict(is_causal=True), dict(local_window_size=(500, 0)),
+             dict(logits_soft_cap=30.0),
+             dict(key_value_seq_lengths=jnp.array([4000]))):
+    assert pick(**kw).num_consumers == 2, kw
+  for other in (PRESETS["sage1"], config.replace(qk_granularity="per_token"),
+                config.replace(smooth_q=True)):
+    assert pick(other).num_consumers == 2
+  seen = []
+  forward = mosaic.attention_forward
+
+  def spy(*args, **kw):
+    seen.append(kw["tiling"])
+    return forward(*args, **kw)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(mosaic, "attention_forward", spy)
+    text = jax.jit(lambda q, k, v: mosaic.BACKEND.forward(
+        _inputs.parse(q, k, v), config)).trace(q, k, v).lower(
+            lowering_platforms=("cuda",)).as_text()
+  assert [t.num_consumers for t in seen] == [3]
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("block_kv", [64, 128, 192, 256])
+def test_group_key_scales_are_each_threads_maxima(block_kv):
+  """Per KV step, lane class c = (key mod 8) // 2 and 64 keys: the maximum
+  of those 16 keys' scales, a NaN (a non-finite key's scale) kept, in the
+  order [c][64 keys] and padded to 32 values a step (one TMA copy)."""
+  s = 2 * block_kv
+  ks = jax.random.uniform(jax.random.PRNGKey(7), (2, 3, s), jnp.float32)
+  ks = ks.at[1, 2, 64 + 8 * 3 + 2 * 1 + 1].set(jnp.nan)
+  got = np.asarray(mosaic_attention.group_key_scales(ks, block_kv))
+  assert got.shape == (2, 3, 2 * 32)
+  ks = np.asarray(ks)
+  blocks = block_kv // 64
+  for step in range(2):
+    for c in range(4):
+      for blk in range(blocks):
+        keys = [step * block_kv + 64 * blk + 8 * i + 2 * c + p
+                for i in range(8) for p in range(2)]
+        want = ks[:, :, keys].max(axis=-1)  # NaN propagates
+        np.testing.assert_array_equal(
+            got[:, :, 32 * step + blocks * c + blk], want)
+    assert not np.any(got[:, :, 32 * step + 4 * blocks:32 * (step + 1)])
+  assert np.isnan(got).sum() == 1  # the NaN key's group, nothing else
+
+
 def test_shared_memory_budget_is_checked_on_cpu():
   """An oversized tiling fails at lowering, on the CPU, with Mosaic's
   shared-memory message (what a user would otherwise see on the GPU)."""
@@ -622,6 +685,9 @@ GPU_CASES = [
     ("sage2-8b", (1, 1000, 1000, 4, 2, 128), dict(local_window_size=(200, 10))),
     # non-causal, GQA, odd lengths: the persistent grid (default_tiling)
     ("sage2-8b", (2, 1000, 3000, 8, 2, 128), dict()),
+    # non-causal past 4096 keys: three consumers (default_tiling)
+    ("sage2-8b", (1, 1000, 5000, 4, 2, 128), dict()),
+    ("sage2-4b", (1, 300, 4500, 4, 4, 128), dict(layout="BNTH")),
     ("sage2-8b", (1, 1000, 1000, 4, 2, 64),
      dict(is_causal=True, causal_alignment="bottom_right",
           local_window_size=(300, 0), layout="BNTH")),
@@ -951,6 +1017,15 @@ KERNEL_TILINGS = {
     "persistent_three_consumers_5_ctas": MosaicTiling(
         persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
         producer_registers=32),
+    # long non-causal calls' default (default_tiling)
+    "three_consumers_unscheduled": MosaicTiling(
+        num_consumers=3, consumer_registers=160, producer_registers=32,
+        schedule_barrier=False),
+    # every step reduces its per-key scales in the kernel
+    "per_key_scales": MosaicTiling(group_key_scales=False),
+    "persistent_per_key_scales": MosaicTiling(
+        persistent=True, consumer_registers=240, producer_registers=24,
+        group_key_scales=False),
 }
 # Tilings run with each block's P·V accumulated straight into the output
 # (``pv_two_level=False``, config ``pv_accumulation="fp32"``), and their
@@ -1197,8 +1272,13 @@ def test_gpu_default_implementation_is_mosaic():
   q, k, v = _data(1, 256, 256, 4, 4, 64)
   assert backends.select(None, _inputs.parse(q, k, v),
                          PRESETS["sage2-8b"]).name == "mosaic"
+  # A mask array streams beside K (NOTES Mosaic section 30); a bias array
+  # at H <= 64 runs faster in the Triton kernel (section 31).
   mask = jnp.ones((1, 1, 256, 256), bool)
   assert backends.select(None, _inputs.parse(q, k, v, mask=mask),
+                         PRESETS["sage2-8b"]).name == "mosaic"
+  bias = jnp.zeros((1, 1, 256, 256), jnp.bfloat16)
+  assert backends.select(None, _inputs.parse(q, k, v, bias=bias),
                          PRESETS["sage2-8b"]).name == "pallas"
 
 
@@ -1214,6 +1294,39 @@ def test_gpu_fully_masked_rows_give_zeros():
   assert not np.any(np.asarray(out[0, :200], np.float32))
   assert np.all(np.isneginf(np.asarray(lse[0, :, :200])))
   assert np.all(np.isfinite(np.asarray(lse[0, :, 200:])))
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("s,causal,h", [(1000, False, 128), (1000, True, 128),
+                                        (5000, False, 128), (1500, True, 64)])
+def test_gpu_grouped_key_scales_keep_non_finite_keys(s, causal, h):
+  """The unmasked steps read one K scale per thread and 64 keys
+  (group_key_scales): a NaN key (head 1) and an Inf key (head 2) still
+  reach every row that sees them, and only those, as quant's rules say
+  (the persistent grid; three consumers past 4096 keys; H=64's 256-key
+  steps); the other heads come out as they do from clean inputs."""
+  b, t, n = 1, 600, 4
+  q, k_clean, v = _data(b, t, s, n, n, h)
+  k = k_clean.at[0, 100, 1, 3].set(jnp.nan).at[0, 250, 2, 9].set(jnp.inf)
+  run = jax.jit(lambda q, k, v: sagejax.attention(
+      q, k, v, is_causal=causal, implementation="mosaic", return_lse=True))
+  testing.poison_device_memory(8 * q.size * 4)
+  got, lse = run(q, k, v)
+  testing.poison_device_memory(8 * q.size * 4)
+  clean_out, _ = run(q, k_clean, v)
+  got = np.asarray(got, np.float32)
+  bad = ~np.all(np.isfinite(got), axis=-1)                   # [B, T, N]
+  rows = np.arange(t)
+  want = np.zeros_like(bad)
+  want[0, :, 1] = rows >= 100 if causal else True
+  want[0, :, 2] = rows >= 250 if causal else True
+  np.testing.assert_array_equal(bad, want)
+  np.testing.assert_array_equal(~np.isfinite(np.asarray(lse)),
+                                np.moveaxis(want, 1, 2))
+  clean = np.array([0, 3])
+  np.testing.assert_array_equal(
+      got[:, :, clean], np.asarray(clean_out, np.float32)[:, :, clean])
 
 
 # --------------------------------------------------------------------------

@@ -19,7 +19,8 @@ FlashAttention-3 structure with 8-bit tensor cores. A CTA owns
   warpgroup runs its softmax the other's two products run. Three consumers
   give each SM sub-partition three dependent softmax chains to interleave
   (benchmarks/NOTES.md, Mosaic section 9); they fit the register file with
-  160 registers each.
+  160 registers each, and without the schedule barrier they are the
+  default for long non-causal calls (section 35).
 
 P̃ never leaves registers: the FP8 values of the FP32 accumulator layout are
 re-labelled as the 8-bit A-operand layout of the second ``wgmma``
@@ -30,8 +31,10 @@ must be K-major in shared memory, hence K as ``[S, H]`` and Vᵀ as ``[H, S]``.
 With 16-bit P·V (``sage1``), V is ``[S, H]`` and P̃ is cast to V's dtype.
 
 The softmax's key scales and row sums work on registers where the K scale
-groups allow (:func:`grouped_logits`); ``MosaicTiling.overlap_qk`` issues
-the next step's Q·Kᵀ before the softmax (benchmarks/NOTES.md, section 4);
+groups allow (:func:`grouped_logits`; the unmasked steps read each thread's
+scale per 64 keys from :func:`group_key_scales`, made before the kernel);
+``MosaicTiling.overlap_qk`` issues the next step's Q·Kᵀ before the softmax
+(benchmarks/NOTES.md, section 4);
 ``MosaicTiling.schedule_exp`` makes the consumers alternate their
 exponentials rather than their softmaxes (the H=64 default, section 5);
 ``MosaicTiling.quantize_q`` has each consumer quantize its 16-bit Q rows in
@@ -116,6 +119,14 @@ class MosaicTiling:
     pv_part_cols: above this head dim, P·V, its two-level accumulation
       and the output's store run in parts of this many columns (32, 64
       or 128), one part's product at a time (registers).
+    group_key_scales: where the key scales are grouped (``k_scale_grouped``
+      with ``register_softmax``, no ΔS, soft cap, mask or bias array, not
+      ``overlap_qk``), the unmasked steps read each thread's scale per 64
+      keys from a small array made before the kernel
+      (:func:`group_key_scales`, streamed with K) rather than reducing its
+      32 per-key scales in every step (benchmarks/NOTES.md, Mosaic section
+      35: 46 fewer instructions a step and ~30 registers; the masked steps
+      still read per-key scales).
     num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
       None: one per SM of the device seen when tracing (132, an H100's or
       H200's, without a GPU: a program exported from a CPU host for a GPU
@@ -137,6 +148,7 @@ class MosaicTiling:
   persistent: bool = False
   num_ctas: Optional[int] = None
   pv_part_cols: int = 128
+  group_key_scales: bool = True
 
   def __post_init__(self):
     if self.persistent and self.overlap_qk:
@@ -336,6 +348,43 @@ def _thread_key_scales(k_regs: np.ndarray) -> list:
   return out
 
 
+_GROUP_SCALES_PER_STEP = 32  # a TMA copy moves a multiple of 128 bytes
+
+
+def group_key_scales(k_scale: jax.Array, block_kv: int) -> jax.Array:
+  """Per-key scales ``[B, K, S_pad]`` whose keys share one value per thread
+  within each 64 (``k_scale_grouped``) → ``[B, K, steps · 32]``: for each
+  KV step of ``block_kv`` keys, lane class ``c = (key mod 8) // 2`` and 64
+  keys, the maximum over its 16 keys (a NaN, the scale of a non-finite key,
+  propagates), ordered ``[c][64 keys]`` inside a step so that a thread's
+  values are adjacent (then zeros up to 32 values a step)."""
+  b, kh, s = k_scale.shape
+  blocks, steps = block_kv // 64, s // block_kv
+  x = k_scale.reshape(b, kh, steps, blocks, 8, 4, 2)
+  x = jnp.max(x, axis=(4, 6))  # [.., step, block, c]
+  x = jnp.swapaxes(x, 3, 4).reshape(b, kh, steps, 4 * blocks)
+  x = jnp.pad(x, ((0, 0), (0, 0), (0, 0),
+                  (0, _GROUP_SCALES_PER_STEP - 4 * blocks)))
+  return x.reshape(b, kh, steps * _GROUP_SCALES_PER_STEP)
+
+
+def _thread_group_scales(ref, blocks: int) -> list:
+  """A thread's K scale for each 64 keys of a step, read from that step's
+  :func:`group_key_scales` in shared memory (one aligned vector load where
+  ``blocks`` is 1, 2 or 4)."""
+  mgpu, _, ir, arith, vector = _mgpu()
+  i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+  lane = arith.remui(mgpu.utils.thread_idx(), mgpu.c(4, i32))
+  start = arith.muli(lane, mgpu.c(blocks, i32))
+  if blocks in (1, 2, 4):
+    v = vector.load(ir.VectorType.get((blocks,), ir.F32Type.get()), ref,
+                    [arith.index_cast(index, start)])
+    return [_element(v, i) for i in range(blocks)]
+  from jax._src.lib.mlir.dialects import memref  # lowering-time only
+  return [memref.load(ref, [arith.index_cast(
+      index, arith.addi(start, mgpu.c(i, i32)))]) for i in range(blocks)]
+
+
 def _wgmma_rows(regs: np.ndarray) -> np.ndarray:
   """The registers of a ``[64, N]`` WGMMA-layout array as ``[N / 8, 2]``
   (key group of 8, row r / r + 8)."""
@@ -354,18 +403,21 @@ def _row_array(values, rows: int):
                               _is_signed=None)
 
 
-def grouped_logits(s: jax.Array, q_scale: jax.Array, k_scale: jax.Array
-                   ) -> tuple[jax.Array, jax.Array]:
+def grouped_logits(s: jax.Array, q_scale: jax.Array, k_scale,
+                   from_ref: bool = False) -> tuple[jax.Array, jax.Array]:
   """For f32 ``s [64, N]`` (WGMMA layout), ``q_scale [64]`` and a
   ``k_scale [N]`` whose keys share one value per thread within each 64 (see
   above): ``max over keys of s · k_scale`` per row (NaN propagates) and
   ``q_scale[row] · k_scale[key]`` as a ``[64, N]`` array holding four
-  registers' worth of distinct values (no per-score multiply)."""
+  registers' worth of distinct values (no per-score multiply).
+  ``from_ref``: ``k_scale`` is a shared-memory ref to the step's
+  :func:`group_key_scales` (``[N / 16]``) instead."""
   rows, n = s.shape
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1),
-                 plgpu.Layout.WGMMA.reduce(0)),
+                 plgpu.RefType() if from_ref
+                 else plgpu.Layout.WGMMA.reduce(0)),
       return_type=(
           plgpu.ShapeDtypeStruct((rows,), jnp.float32,
                                  layout=plgpu.Layout.WGMMA.reduce(1)),
@@ -375,7 +427,8 @@ def grouped_logits(s: jax.Array, q_scale: jax.Array, k_scale: jax.Array
     mgpu, fa, _, arith, _ = _mgpu()
     s_regs = _wgmma_rows(s.registers)
     q_vals = [_element(x, 0) for x in q.registers.reshape(2)]
-    k_vals = _thread_key_scales(k.registers)
+    k_vals = (_thread_group_scales(k, n // 64) if from_ref
+              else _thread_key_scales(k.registers))
     row_max = []
     for r in range(2):
       groups = []
@@ -745,10 +798,11 @@ def attention_forward(
     vm_ref, ds_ref, vks_ref = refs.get("vm"), refs.get("ds"), refs.get("vks")
     qs_ref, km_ref, rs_ref = refs.get("qs"), refs.get("km"), refs.get("rs")
     mk_ref, bias_ref = refs.get("mk"), refs.get("bias")
+    ksg_ref = refs.get("ksg")
     pair_ref = mk_ref if mk_ref is not None else bias_ref  # streamed with K
     (q_smem, qs_smem, k_smem, ks_smem, v_smem, ds_smem, o_smem, lse_smem,
      vs_smem, vm_smem, vks_smem, qx_smem, km_smem, shift_smem,
-     rs_smem, pair_smem) = scratch[0]
+     rs_smem, pair_smem, ksg_smem) = scratch[0]
     q_bar, k_bar, v_bar = scratch[1]
     k_free, v_free = scratch[2]
     sched = scratch[3]
@@ -927,10 +981,11 @@ def attention_forward(
       sum_rows = (row_sum if tiling.register_softmax
                   else (lambda p: p.sum(axis=1)))
 
-      def key_vectors(slot):
+      def key_vectors(slot, release: bool = True):
         """Step ``slot``'s per-key vectors (K scales, V factors, ΔS) and
         this consumer's mask or bias tile read out of shared memory; then
-        the K slot is released."""
+        the K slot is released (``release=False``: by the caller, once it
+        has read the slot's grouped K scales)."""
         ks = load_all(ks_smem.at[slot], col_layout)
         vks = (None if vks_ref is None
                else load_all(vks_smem.at[slot], col_layout))
@@ -938,7 +993,8 @@ def attention_forward(
               else load_all(ds_smem.at[slot], col_layout))
         pair = (None if pair_ref is None
                 else load_all(pair_smem.at[slot, wg], plgpu.Layout.WGMMA))
-        plgpu.barrier_arrive(k_free.at[slot])
+        if release:
+          plgpu.barrier_arrive(k_free.at[slot])
         return ks, vks, ds, pair
 
       def logits(s_f, keys, j, masked: bool):
@@ -972,15 +1028,23 @@ def attention_forward(
                         -jnp.inf)
         return t
 
-      def softmax(x, keys, j, masked: bool, m, l, *, scaled: bool = False):
+      def softmax(x, keys, j, masked: bool, m, l, *, scaled: bool = False,
+                  group_slot=None):
         """Online softmax of step ``j``: ``x`` holds the INT32 sums as f32
         (or, ``scaled``, the :func:`logits`); ``keys`` the
         ``key_vectors``. Returns (P·V operand, α broadcast to the output,
-        new max, new sum)."""
+        new max, new sum). ``group_slot``: the step's slot, whose grouped
+        K scales (:func:`group_key_scales`) are read, and which is then
+        released."""
         ks, vks, _, _ = keys
         use_grouped = grouped and not masked and not scaled and not row_scaled
         with jax.named_scope("row_max"):
-          if use_grouped:
+          if use_grouped and group_slot is not None:
+            row_max, factors = grouped_logits(
+                x, qs, ksg_smem.at[group_slot], from_ref=True)
+            plgpu.barrier_arrive(k_free.at[group_slot])
+            m_new = jnp.maximum(m, qs * row_max)
+          elif use_grouped:
             row_max, factors = grouped_logits(x, qs, ks)
             m_new = jnp.maximum(m, qs * row_max)
           else:
@@ -1040,10 +1104,15 @@ def attention_forward(
         with jax.named_scope("qk"):
           s_int = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.int32))
         with jax.named_scope("softmax"):
+          # Unmasked steps read the grouped K scales (then release the slot).
+          by_group = (ksg_ref is not None and grouped and not masked
+                      and not row_scaled)
           with jax.named_scope("convert"):
             s_f = s_int.astype(jnp.float32)
-            keys = key_vectors(slot)
-          p_op, alpha_b, m_new, l = softmax(s_f, keys, j, masked, m, l)
+            keys = key_vectors(slot, release=not by_group)
+          p_op, alpha_b, m_new, l = softmax(
+              s_f, keys, j, masked, m, l,
+              group_slot=slot if by_group else None)
           scaled_first = not pv_two_level or pv_parts > 1  # in parts: α first
           if scaled_first:
             acc = tuple(a * alpha_b for a in acc)
@@ -1256,6 +1325,11 @@ def attention_forward(
                                 k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, keys],
                                 ks_smem.at[slot], k_bar.at[slot])
+        if ksg_ref is not None:
+          plgpu.copy_gmem_to_smem(
+              ksg_ref.at[batch, kv_head, pl.ds(j * _GROUP_SCALES_PER_STEP,
+                                               _GROUP_SCALES_PER_STEP)],
+              ksg_smem.at[slot], k_bar.at[slot])
         if ds_ref is not None:
           plgpu.copy_gmem_to_smem(
               ds_ref.at[batch, head, lax.div(qt, jnp.int32(ds_rows)), keys],
@@ -1294,9 +1368,16 @@ def attention_forward(
                     lambda i, base: produce_tile(tile_of(i), base),
                     jnp.int32(0))
 
+  # The unmasked steps' K scales, one per thread and 64 keys (tiling).
+  k_group_scales = None
+  if (tiling.group_key_scales and k_scale_grouped and tiling.register_softmax
+      and delta_s is None and logits_soft_cap is None and mask is None
+      and bias is None and not tiling.overlap_qk):
+    k_group_scales = group_key_scales(k_scale, bkv)
   inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
                 ds=delta_s, vks=v_key_scale, km=k_mean, ql=q_lengths,
-                kl=kv_lengths, rs=row_shift, mk=mask, bias=bias)
+                kl=kv_lengths, rs=row_shift, mk=mask, bias=bias,
+                ksg=k_group_scales)
   names = tuple(name for name, x in inputs.items() if x is not None)
 
   def entry(*all_refs):
@@ -1324,10 +1405,12 @@ def attention_forward(
         None if "rs" not in refs else plgpu.SMEM((*q_bufs, bq), jnp.float32),
         None if pair is None else wgmma_smem((stages, nc, bq, bkv),
                                              pair.dtype),
+        None if "ksg" not in refs else plgpu.SMEM(
+            (stages, _GROUP_SCALES_PER_STEP), jnp.float32),
     )
     # Q (and its scales, or K's mean), V's scales and mean, the row shifts.
     q_arrivals = 2 + sum(name in refs for name in ("qs", "km", "vm", "rs"))
-    k_arrivals = (2 + (ds_ref is not None) + ("vks" in refs)
+    k_arrivals = (2 + (ds_ref is not None) + ("vks" in refs) + ("ksg" in refs)
                   + nc * (pair is not None))
     pl.run_scoped(
         lambda *scratch: kernel(refs, out_ref, lse_ref,
