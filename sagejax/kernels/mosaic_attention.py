@@ -120,13 +120,13 @@ class MosaicTiling:
       and the output's store run in parts of this many columns (32, 64
       or 128), one part's product at a time (registers).
     group_key_scales: where the key scales are grouped (``k_scale_grouped``
-      with ``register_softmax``, no ΔS, soft cap, mask or bias array, not
-      ``overlap_qk``), the unmasked steps read each thread's scale per 64
-      keys from a small array made before the kernel
-      (:func:`group_key_scales`, streamed with K) rather than reducing its
-      32 per-key scales in every step (benchmarks/NOTES.md, Mosaic section
-      35: 46 fewer instructions a step and ~30 registers; the masked steps
-      still read per-key scales).
+      with ``register_softmax``; no ΔS, soft cap, mask or bias array; not
+      ``overlap_qk``; steps of 64, 128 or 256 keys), the unmasked steps
+      read each thread's scale per 64 keys from a small array made before
+      the kernel (:func:`group_key_scales`, streamed with K) rather than
+      reducing its per-key scales in every step (benchmarks/NOTES.md,
+      Mosaic section 35: at 128 keys 46 fewer instructions a step and ~30
+      registers); the masked steps still read per-key scales.
     num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
       None: one per SM of the device seen when tracing (132, an H100's or
       H200's, without a GPU: a program exported from a CPU host for a GPU
@@ -369,20 +369,17 @@ def group_key_scales(k_scale: jax.Array, block_kv: int) -> jax.Array:
 
 
 def _thread_group_scales(ref, blocks: int) -> list:
-  """A thread's K scale for each 64 keys of a step, read from that step's
-  :func:`group_key_scales` in shared memory (one aligned vector load where
-  ``blocks`` is 1, 2 or 4)."""
+  """A thread's K scale for each 64 keys of a step (``blocks`` of them: 1,
+  2 or 4), read from that step's :func:`group_key_scales` in shared memory
+  with one aligned vector load."""
   mgpu, _, ir, arith, vector = _mgpu()
-  i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+  i32 = ir.IntegerType.get_signless(32)
   lane = arith.remui(mgpu.utils.thread_idx(), mgpu.c(4, i32))
-  start = arith.muli(lane, mgpu.c(blocks, i32))
-  if blocks in (1, 2, 4):
-    v = vector.load(ir.VectorType.get((blocks,), ir.F32Type.get()), ref,
-                    [arith.index_cast(index, start)])
-    return [_element(v, i) for i in range(blocks)]
-  from jax._src.lib.mlir.dialects import memref  # lowering-time only
-  return [memref.load(ref, [arith.index_cast(
-      index, arith.addi(start, mgpu.c(i, i32)))]) for i in range(blocks)]
+  start = arith.index_cast(ir.IndexType.get(),
+                           arith.muli(lane, mgpu.c(blocks, i32)))
+  v = vector.load(ir.VectorType.get((blocks,), ir.F32Type.get()), ref,
+                  [start])
+  return [_element(v, i) for i in range(blocks)]
 
 
 def _wgmma_rows(regs: np.ndarray) -> np.ndarray:
@@ -1372,7 +1369,7 @@ def attention_forward(
   k_group_scales = None
   if (tiling.group_key_scales and k_scale_grouped and tiling.register_softmax
       and delta_s is None and logits_soft_cap is None and mask is None
-      and bias is None and not tiling.overlap_qk):
+      and bias is None and not tiling.overlap_qk and bkv != 192):
     k_group_scales = group_key_scales(k_scale, bkv)
   inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
                 ds=delta_s, vks=v_key_scale, km=k_mean, ql=q_lengths,
