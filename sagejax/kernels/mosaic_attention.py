@@ -1036,13 +1036,12 @@ def attention_forward(
         ks, vks, _, _ = keys
         use_grouped = grouped and not masked and not scaled and not row_scaled
         with jax.named_scope("row_max"):
-          if use_grouped and group_slot is not None:
+          if use_grouped:
+            from_ref = group_slot is not None
             row_max, factors = grouped_logits(
-                x, qs, ksg_smem.at[group_slot], from_ref=True)
-            plgpu.barrier_arrive(k_free.at[group_slot])
-            m_new = jnp.maximum(m, qs * row_max)
-          elif use_grouped:
-            row_max, factors = grouped_logits(x, qs, ks)
+                x, qs, ksg_smem.at[group_slot] if from_ref else ks, from_ref)
+            if from_ref:  # the slot's grouped scales read: release it
+              plgpu.barrier_arrive(k_free.at[group_slot])
             m_new = jnp.maximum(m, qs * row_max)
           else:
             t = x if scaled else logits(x, keys, j, masked)
