@@ -418,6 +418,30 @@ def test_q_is_quantized_in_the_kernel_where_its_groups_allow(config, dtype,
     assert ("sage_quantize_q" in text) != expect
 
 
+@pytest.mark.parametrize("t,layout", [(1000, "BTNH"), (16384, "BNTH")])
+def test_three_consumer_forward_pads_q_to_consumer_tiles_only(t, layout):
+  """With three 64-row consumers (a CTA of 192 rows) Q is padded to the Q
+  pass's 128-row programs, not to 384 rows: the kernel's last tile reaches
+  past T instead (no copy of Q and of the output at T = 2^k), and the
+  outputs keep T rows."""
+  b, n, s, h = 1, 2, 4352, 128
+  shape = lambda x: jax.ShapeDtypeStruct(
+      (b, x, n, h) if layout == "BTNH" else (b, n, x, h), jnp.bfloat16)
+  config = PRESETS["sage2-8b"]
+
+  def run(q, k, v):
+    call = _inputs.parse(q, k, v, layout=layout)
+    tiling = mosaic.default_tiling(h, config, call)
+    assert tiling.num_consumers == 3
+    prepared = mosaic.BACKEND.prepare(call, config, tiling)
+    return prepared.qkv.q, mosaic.BACKEND.kernel(prepared, call, config,
+                                                 tiling)
+
+  q8, (out, lse) = jax.eval_shape(run, shape(t), shape(s), shape(s))
+  assert q8.shape[2] == -(-t // 128) * 128
+  assert out.shape == shape(t).shape and lse.shape == (b, n, t)
+
+
 @pytest.mark.parametrize("tiling", ["overlap_qk", "generic_softmax",
                                     "three_consumers", "persistent_5_ctas",
                                     "persistent_three_consumers_5_ctas",
@@ -688,6 +712,11 @@ GPU_CASES = [
     # non-causal past 4096 keys: three consumers (default_tiling)
     ("sage2-8b", (1, 1000, 5000, 4, 2, 128), dict()),
     ("sage2-4b", (1, 300, 4500, 4, 4, 128), dict(layout="BNTH")),
+    # ... whose last 192-row tile reaches past T (Q not padded to it):
+    # stores clipped by TMA (BTNH) or into whole-tile arrays (BNTH; BTNH
+    # with one head)
+    ("sage2-8b", (1, 1000, 5000, 4, 2, 128), dict(layout="BNTH")),
+    ("sage2-8b", (2, 600, 4200, 1, 1, 128), dict()),
     ("sage2-8b", (1, 1000, 1000, 4, 2, 64),
      dict(is_causal=True, causal_alignment="bottom_right",
           local_window_size=(300, 0), layout="BNTH")),

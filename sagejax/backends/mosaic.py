@@ -277,7 +277,10 @@ class _MosaicBackend:
     s_multiple = max(config.block_k, tiling.block_kv)
     prepared = quantize_inputs(
         call, config, head_dim=hp,
-        t_multiple=math.lcm(config.block_q, tiling.block_rows),
+        # Q's rows to whole Q-pass programs and consumer tiles, not to whole
+        # CTAs: the kernel's last tile may reach past them (NOTES Mosaic
+        # section 36: a copy of Q and one of the output saved at 16k).
+        t_multiple=math.lcm(config.block_q, tiling.block_q),
         s_multiple=s_multiple, v_transposed=fp8, v_wgmma_key_order=fp8,
         quantize_q=(not tiling.quantize_q
                     or quantize_q_in_kernel(call, config) is None),

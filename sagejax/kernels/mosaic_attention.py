@@ -633,7 +633,8 @@ def attention_forward(
   """Runs the Mosaic GPU forward on quantized inputs.
 
   Args:
-    q: int8 ``[B, N, T_pad, H]``; ``T_pad`` a multiple of ``tiling.block_rows``.
+    q: int8 ``[B, N, T_pad, H]``; ``T_pad`` a multiple of ``tiling.block_q``
+      (a CTA's last ``tiling.block_rows`` rows may reach past it).
       With ``quantize_q``: the 16-bit Q in ``q_layout`` (``[B, T_pad, N,
       H]`` for ``"BTNH"``), quantized by the kernel.
     q_scale: f32 ``[B, N, T_pad]`` (includes ``sm_scale·log2 e``); None with
@@ -710,9 +711,9 @@ def attention_forward(
   fp8 = v.dtype == quant.FP8_DTYPE
   bq, bkv, stages = tiling.block_q, tiling.block_kv, tiling.num_stages
   nc, rows_cta = tiling.num_consumers, tiling.block_rows
-  if t_pad % rows_cta or s_pad % bkv:
+  if t_pad % bq or s_pad % bkv:
     raise ValueError(f"padded lengths T={t_pad}, S={s_pad} must be multiples "
-                     f"of {rows_cta} and {bkv}.")
+                     f"of {bq} and {bkv}.")
   if quantize_q is None:
     if q.dtype != jnp.int8 or q_layout != "BNTH" or q_scale is None:
       raise ValueError("Without quantize_q, q must be int8 [B, N, T_pad, H] "
@@ -781,7 +782,13 @@ def attention_forward(
                      "registers); pass H <= 128 for the others.")
   num_kv_blocks = s_pad // bkv
   ds_rows = None if delta_s is None else config_block_q // rows_cta
-  num_q_tiles = t_pad // rows_cta
+  # A last tile may reach past T (three 64-row consumers on T = 2^k rows):
+  # its loads are TMA's, which read zeros there (or, where rows are
+  # contiguous across heads, the next head's: finite, and never stored), so
+  # Q need not be padded to the CTA's rows (a copy of Q and one of the
+  # output, 3% of the 16k forward: NOTES Mosaic section 36); see t_rows
+  # below for the stores.
+  num_q_tiles = -(-t_pad // rows_cta)
   persistent = tiling.persistent
   num_tiles = n * num_q_tiles * b
   num_ctas = min(num_tiles, tiling.num_ctas or sm_count())
@@ -1421,17 +1428,26 @@ def attention_forward(
         collective_axes="wg",
     )
 
+  # Rows a last tile reaching past T may be written to. A store clips to
+  # the array's bounds only where a tile's rows are not contiguous in
+  # memory: the output in BTNH with several heads (a tensor TMA).
+  # Contiguous stores (the LSE rows; the output in BNTH or of one head) go
+  # as bulk copies bounded by the whole array, so that they cannot write
+  # into the next head's rows those arrays are allocated in whole tiles
+  # and sliced after.
+  t_rows = num_q_tiles * rows_cta
+  out_clipped = out_layout == "BTNH" and n > 1
   if out_layout == "BTNH":
-    out_shape = (b, t_pad, n, h)
+    out_shape = (b, t_pad if out_clipped else t_rows, n, h)
   else:
-    out_shape = (b, n, t_pad, h)
+    out_shape = (b, n, t_rows, h)
   if persistent:
     grid, grid_names = (num_ctas,), ("ctas",)
     profile_steps = num_kv_blocks * -(-num_tiles // num_ctas)
   else:
     grid, grid_names = (n, num_q_tiles, b), ("heads", "q_tiles", "batch")
     profile_steps = num_kv_blocks
-  rows = jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)
+  rows = jax.ShapeDtypeStruct((b, n, t_rows), jnp.float32)
   out, lse, *shift = plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype), rows)
@@ -1443,6 +1459,10 @@ def attention_forward(
       compiler_params=plgpu.CompilerParams(
           approx_math=True, **_profile_params(profile_dir, profile_steps)),
   )(*(inputs[name] for name in names))
+  if t_rows != t_pad:
+    lse, shift = lse[:, :, :t_pad], [x[:, :, :t_pad] for x in shift]
+    if not out_clipped:
+      out = (out[:, :t_pad] if out_layout == "BTNH" else out[:, :, :t_pad])
   smoothed_lse = lse
   if shift:  # the LSE of the logits q·k, from that of q·(k − k̄)
     lse = lse + shift[0]
