@@ -783,8 +783,8 @@ def attention_forward(
   num_kv_blocks = s_pad // bkv
   ds_rows = None if delta_s is None else config_block_q // rows_cta
   # A last tile may reach past T (three 64-row consumers on T = 2^k rows):
-  # its loads are TMA's, which read zeros there (or, where rows are
-  # contiguous across heads, the next head's: finite, and never stored), so
+  # its loads are TMA copies, which fill rows past the array with zeros
+  # (Pallas's default out-of-bounds mode for loads; never stored), so
   # Q need not be padded to the CTA's rows (a copy of Q and one of the
   # output, 3% of the 16k forward: NOTES Mosaic section 36); see t_rows
   # below for the stores.
