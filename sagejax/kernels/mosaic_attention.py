@@ -1428,13 +1428,12 @@ def attention_forward(
         collective_axes="wg",
     )
 
-  # Rows a last tile reaching past T may be written to. A store clips to
-  # the array's bounds only where a tile's rows are not contiguous in
-  # memory: the output in BTNH with several heads (a tensor TMA).
-  # Contiguous stores (the LSE rows; the output in BNTH or of one head) go
-  # as bulk copies bounded by the whole array, so that they cannot write
-  # into the next head's rows those arrays are allocated in whole tiles
-  # and sliced after.
+  # Rows a last tile reaching past T may be written to. A store is clipped
+  # to the array's bounds only where a tile's rows are not contiguous in
+  # memory: the output in BTNH with several heads (a tensor TMA). Stores of
+  # contiguous rows (the LSE; the output in BNTH or of one head) are bulk
+  # copies bounded only by the whole array and would reach the next head's
+  # rows, so those arrays are allocated in whole tiles and sliced after.
   t_rows = num_q_tiles * rows_cta
   out_clipped = out_layout == "BTNH" and n > 1
   if out_layout == "BTNH":
