@@ -446,6 +446,8 @@ def test_three_consumer_forward_pads_q_to_consumer_tiles_only(t, layout):
                                     "three_consumers", "persistent_5_ctas",
                                     "persistent_three_consumers_5_ctas",
                                     "three_consumers_unscheduled",
+                                    "three_consumers_exp_turns",
+                                    "persistent_three_consumers_exp_turns_5_ctas",
                                     "per_key_scales"])
 def test_pipelining_variants_lower_for_cuda(tiling):
   """The non-default consumer pipelines lower for CUDA on the CPU too
@@ -557,9 +559,10 @@ def test_training_forward_quantizes_q_off_the_persistent_grid(window):
 
 def test_default_tiling_is_persistent_only_for_ordered_tiles():
   """The persistent grid (a static tile order) is the default where it
-  knows each query tile's work: H=128, at most 4096 keys, no window,
-  lengths or mask array (a causal mask alone: tiles dealt heaviest first);
-  the hardware's grid balances the rest."""
+  knows each query tile's work: H=128, no window, lengths or mask array,
+  at most 4096 keys (a causal mask alone: tiles dealt heaviest first) or
+  non-causal with three consumers; the hardware's grid balances the
+  rest."""
   q, k, v = _data(2, 200, 300, 4, 2, 128)
   config = PRESETS["sage2-8b"]
   pick = lambda **kw: mosaic.default_tiling(128, config,
@@ -573,8 +576,9 @@ def test_default_tiling_is_persistent_only_for_ordered_tiles():
   assert not pick(key_value_seq_lengths=jnp.array([300, 99])).persistent
   assert not mosaic.default_tiling(128, config).persistent  # no call
   long = _data(1, 128, mosaic.PERSISTENT_MAX_KEYS + 1, 2, 2, 128)
-  assert not mosaic.default_tiling(128, config,
-                                   _inputs.parse(*long)).persistent
+  assert not mosaic.default_tiling(
+      128, config, _inputs.parse(*long, is_causal=True)).persistent
+  assert mosaic.default_tiling(128, config, _inputs.parse(*long)).persistent
   assert not mosaic.default_tiling(
       64, config, _inputs.parse(q[..., :64], k[..., :64],
                                 v[..., :64])).persistent
@@ -594,19 +598,24 @@ def test_default_tiling_is_persistent_only_for_ordered_tiles():
 
 
 def test_long_non_causal_calls_take_three_consumers():
-  """Past 4096 keys, a non-causal call whose tiles all do the same work,
+  """From 2048 keys, a non-causal call whose tiles all do the same work,
   with FP8 P·V and grouped K scales, runs three consumers of 64 rows
-  without the schedule barrier (benchmarks/NOTES.md, Mosaic section 35);
-  causal, windowed, capped, 16-bit-P·V or per-token-K calls keep two.
-  It lowers for CUDA."""
+  taking turns around their exponentials, on the persistent grid
+  (benchmarks/NOTES.md, Mosaic section 37); shorter, causal, windowed,
+  capped, 16-bit-P·V or per-token-K calls keep two. It lowers for CUDA."""
   config = PRESETS["sage2-8b"]
   q, k, v = _data(1, 200, mosaic.PERSISTENT_MAX_KEYS + 904, 4, 2, 128)
   pick = lambda config=config, **kw: mosaic.default_tiling(
       128, config, _inputs.parse(q, k, v, **kw))
   three = pick()
-  assert (three.num_consumers, three.schedule_barrier, three.persistent,
-          three.consumer_registers, three.group_key_scales) == (
-              3, False, False, 160, True)
+  assert (three.num_consumers, three.schedule_barrier, three.schedule_exp,
+          three.persistent, three.consumer_registers,
+          three.group_key_scales) == (3, True, True, True, 160, True)
+  for keys, consumers in ((mosaic.THREE_PHASE_MIN_KEYS, 3),
+                          (mosaic.THREE_PHASE_MIN_KEYS - 1, 2)):
+    short = _data(1, 200, keys, 4, 2, 128)
+    assert mosaic.default_tiling(
+        128, config, _inputs.parse(*short)).num_consumers == consumers
   for kw in (dict(is_causal=True), dict(local_window_size=(500, 0)),
              dict(logits_soft_cap=30.0),
              dict(key_value_seq_lengths=jnp.array([4000]))):
@@ -707,7 +716,9 @@ GPU_CASES = [
     ("sage2-8b", (1, 4097, 4097, 4, 4, 128), dict(is_causal=True)),
     ("sage2-8b", (1, 700, 900, 4, 4, 96), dict(layout="BNTH")),
     ("sage2-8b", (1, 1000, 1000, 4, 2, 128), dict(local_window_size=(200, 10))),
-    # non-causal, GQA, odd lengths: the persistent grid (default_tiling)
+    # non-causal, GQA, odd lengths: the persistent grid (default_tiling),
+    # two consumers below 2048 keys, three in three phases from 2048
+    ("sage2-8b", (2, 1000, 1500, 8, 2, 128), dict()),
     ("sage2-8b", (2, 1000, 3000, 8, 2, 128), dict()),
     # non-causal past 4096 keys: three consumers (default_tiling)
     ("sage2-8b", (1, 1000, 5000, 4, 2, 128), dict()),
@@ -1050,6 +1061,13 @@ KERNEL_TILINGS = {
     "three_consumers_unscheduled": MosaicTiling(
         num_consumers=3, consumer_registers=160, producer_registers=32,
         schedule_barrier=False),
+    # three consumers taking turns around their exponentials (three phases)
+    "three_consumers_exp_turns": MosaicTiling(
+        num_consumers=3, consumer_registers=160, producer_registers=32,
+        schedule_exp=True),
+    "persistent_three_consumers_exp_turns_5_ctas": MosaicTiling(
+        persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
+        producer_registers=32, schedule_exp=True),
     # every step reduces its per-key scales in the kernel
     "per_key_scales": MosaicTiling(group_key_scales=False),
     "persistent_per_key_scales": MosaicTiling(

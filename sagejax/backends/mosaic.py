@@ -63,6 +63,9 @@ from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
 # 16-bit V tile or an f32 output tile does not fit shared memory).
 PARTS_ABOVE_HEAD_DIM = 128
 PERSISTENT_MAX_KEYS = 4096  # longer calls: the grid (NOTES, Mosaic section 11)
+# From so many keys, non-causal FP8 calls run three consumers in three
+# phases on the persistent grid (NOTES, Mosaic section 37).
+THREE_PHASE_MIN_KEYS = 2048
 
 
 def default_tiling(head_dim: int, config: SageConfig,
@@ -71,17 +74,20 @@ def default_tiling(head_dim: int, config: SageConfig,
   section 5): at H=64 with FP8 P·V, 256-key steps with the consumers taking
   turns around their exponentials (+10-12% over 128-key steps meeting
   around the products); 16-bit P·V (``sage1``, the training forward) keeps
-  128-key steps (256 were not measured there). At H=128, a ``call`` of at
-  most 4096 keys whose tiles' work the kernel knows (:func:`ordered_tiles`)
-  runs the persistent grid with 240/24 registers (section 11, H100: FP8
-  P·V kernel +10% at 1k, +2% at 4k, −1% at 16k; 16-bit P·V +8% at 2k, +3%
-  at 4k; section 15: causal tiles dealt heaviest first, back and forth,
-  +3-6% at 4k, equal at 16k), Q quantized by the pass. Longer non-causal
-  calls of that kind with FP8 P·V and grouped K scales (no soft cap, no
-  smoothed Q) run three 64-row consumers without the schedule barrier
-  (section 35, H200, kernel alone: +8.8% at 16k, +7% at 8k, +12% at 32k,
-  +9% with GQA 32/8 over two consumers; causal 16k 0.3% slower, so not
-  there). Off the persistent grid, a 16-bit P·V kernel quantizes Q itself where
+  128-key steps (256 were not measured there). At H=128, a non-causal
+  ``call`` of at least 2048 keys whose tiles all do the same work
+  (:func:`ordered_tiles`) with FP8 P·V and grouped K scales (no soft cap,
+  no smoothed Q) runs three 64-row consumers taking turns around their
+  exponentials in three phases, on the persistent grid (section 37, H200,
+  kernel alone: +4-5% at 16k over three consumers without turns on the
+  hardware's grid, +8-11% at 4k over two on the persistent grid; causal
+  and H=64 slower or equal, so not there). Other calls of at most 4096
+  keys whose tiles' work the kernel knows run the persistent grid with
+  two consumers at 240/24 registers (section 11, H100: FP8 P·V kernel
+  +10% at 1k, +2% at 4k, −1% at 16k; 16-bit P·V +8% at 2k, +3% at 4k;
+  section 15: causal tiles dealt heaviest first, back and forth, +3-6% at
+  4k, equal at 16k), Q quantized by the pass. Off the persistent grid, a
+  16-bit P·V kernel quantizes Q itself where
   :func:`quantize_q_in_kernel` allows (B21; on the persistent grid that
   measured 5-15% slower, section 15). Above H=128, FP8 P·V and its
   two-level accumulation run in parts of 32 output columns (section 18,
@@ -106,17 +112,17 @@ def default_tiling(head_dim: int, config: SageConfig,
     if config.pv_dtype == "fp8_e4m3" and not per_key:
       return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
     return MosaicTiling(block_kv=128, num_stages=3)
+  if (call is not None and config.pv_dtype == "fp8_e4m3"
+      and not call.spec.is_causal and ordered_tiles(call)
+      and call.logits_soft_cap is None and k_scale_grouped(config)
+      and not config.smooth_q and call.dims[5] >= THREE_PHASE_MIN_KEYS):
+    return MosaicTiling(block_kv=128, num_stages=2, num_consumers=3,
+                        consumer_registers=160, producer_registers=32,
+                        schedule_exp=True, persistent=True)
   if (call is not None and call.dims[5] <= PERSISTENT_MAX_KEYS
       and ordered_tiles(call)):
     return MosaicTiling(block_kv=128, num_stages=2, persistent=True,
                         consumer_registers=240, producer_registers=24)
-  if (call is not None and config.pv_dtype == "fp8_e4m3"
-      and not call.spec.is_causal and ordered_tiles(call)
-      and call.logits_soft_cap is None and k_scale_grouped(config)
-      and not config.smooth_q):
-    return MosaicTiling(block_kv=128, num_stages=2, num_consumers=3,
-                        consumer_registers=160, producer_registers=32,
-                        schedule_barrier=False)
   # 16-bit P·V (the training forward): Q quantized in the prologue where
   # its groups allow (NOTES B21: +2-4% end to end; the FP8 kernel lost
   # 3-5% with it, section 6).

@@ -19,8 +19,10 @@ FlashAttention-3 structure with 8-bit tensor cores. A CTA owns
   warpgroup runs its softmax the other's two products run. Three consumers
   give each SM sub-partition three dependent softmax chains to interleave
   (benchmarks/NOTES.md, Mosaic section 9); they fit the register file with
-  160 registers each, and without the schedule barrier they are the
-  default for long non-causal calls (section 35).
+  160 registers each. Taking turns around their exponentials in three
+  phases (one consumer's ``exp2`` beside another's P·V and a third's
+  Q·Kᵀ), on the persistent grid, they are the default for non-causal
+  calls from 2048 keys (section 37).
 
 P̃ never leaves registers: the FP8 values of the FP32 accumulator layout are
 re-labelled as the 8-bit A-operand layout of the second ``wgmma``
@@ -90,7 +92,9 @@ class MosaicTiling:
     schedule_exp: the consumers meet (with ``schedule_barrier``) before and
       after each softmax's exponentials instead of around the products:
       the MUFU-bound ``exp2`` of one runs while the other does everything
-      else.
+      else. Three consumers meet a third time at each step's start, so
+      that one runs its exponentials, one its Q·Kᵀ and row maxima and one
+      its P·V and accumulation.
     overlap_qk: each consumer issues the next KV step's Q·Kᵀ before this
       step's softmax (FlashAttention-3's intra-warpgroup pipelining), so the
       tensor cores compute it while the softmax runs; costs one more score
@@ -854,11 +858,19 @@ def attention_forward(
     # exponentials, or nowhere.
     turns_at = (None if not tiling.schedule_barrier
                 else "exp" if tiling.schedule_exp else "products")
+    # The turns' meeting points in a step: with three consumers around
+    # their exponentials, a third at the step's start, so that at any time
+    # one runs its exponentials, one its P·V and accumulation, one its
+    # Q·Kᵀ and row maxima (NOTES Mosaic section 37: the step's start beat
+    # a third meeting after the Q·Kᵀ issue or after the P·V issue).
+    meet_at = (() if turns_at is None
+               else ("exp", "step") if turns_at == "exp" and nc == 3
+               else (turns_at,))
 
     def meet(where: Optional[str] = None):
       """All consumers meet here (any ``where``, when they take turns), or
       only when they take turns ``where``."""
-      if turns_at is not None and where in (None, turns_at):
+      if meet_at and (where is None or where in meet_at):
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
@@ -1099,6 +1111,7 @@ def attention_forward(
       def step(j, carry, masked: bool):
         acc, m, l = carry
         slot = slot_of(j)
+        meet("step")
 
         def qk(s_ref):
           issue_qk(s_ref, slot)
@@ -1165,6 +1178,7 @@ def attention_forward(
         softmax."""
         acc, m, l = carry
         slot = slot_of(j)
+        meet("step")
         # The logits are made before the next Q·Kᵀ is issued into the same
         # accumulator: with the INT32 sums still live across the issue,
         # ptxas waits for that product (measured: 0.7x the speed).
