@@ -578,7 +578,10 @@ def test_default_tiling_is_persistent_only_for_ordered_tiles():
   long = _data(1, 128, mosaic.PERSISTENT_MAX_KEYS + 1, 2, 2, 128)
   assert not mosaic.default_tiling(
       128, config, _inputs.parse(*long, is_causal=True)).persistent
-  assert mosaic.default_tiling(128, config, _inputs.parse(*long)).persistent
+  assert not mosaic.default_tiling(  # 128 queries: two consumers, the grid
+      128, config, _inputs.parse(*long)).persistent
+  many = _data(1, 1000, mosaic.PERSISTENT_MAX_KEYS + 1, 2, 2, 128)
+  assert mosaic.default_tiling(128, config, _inputs.parse(*many)).persistent
   assert not mosaic.default_tiling(
       64, config, _inputs.parse(q[..., :64], k[..., :64],
                                 v[..., :64])).persistent
@@ -601,21 +604,25 @@ def test_long_non_causal_calls_take_three_consumers():
   """From 2048 keys, a non-causal call whose tiles all do the same work,
   with FP8 P·V and grouped K scales, runs three consumers of 64 rows
   taking turns around their exponentials, on the persistent grid
-  (benchmarks/NOTES.md, Mosaic section 37); shorter, causal, windowed,
-  capped, 16-bit-P·V or per-token-K calls keep two. It lowers for CUDA."""
+  (benchmarks/NOTES.md, Mosaic section 37); calls with fewer keys or too
+  few queries to fill 192-row tiles, causal, windowed, capped,
+  16-bit-P·V or per-token-K calls keep two. It lowers for CUDA."""
   config = PRESETS["sage2-8b"]
-  q, k, v = _data(1, 200, mosaic.PERSISTENT_MAX_KEYS + 904, 4, 2, 128)
+  q, k, v = _data(1, 400, mosaic.PERSISTENT_MAX_KEYS + 904, 4, 2, 128)
   pick = lambda config=config, **kw: mosaic.default_tiling(
       128, config, _inputs.parse(q, k, v, **kw))
   three = pick()
   assert (three.num_consumers, three.schedule_barrier, three.schedule_exp,
           three.persistent, three.consumer_registers,
           three.group_key_scales) == (3, True, True, True, 160, True)
-  for keys, consumers in ((mosaic.THREE_PHASE_MIN_KEYS, 3),
-                          (mosaic.THREE_PHASE_MIN_KEYS - 1, 2)):
-    short = _data(1, 200, keys, 4, 2, 128)
+  for queries, keys, consumers in (
+      (400, mosaic.THREE_PHASE_MIN_KEYS, 3),
+      (400, mosaic.THREE_PHASE_MIN_KEYS - 1, 2),
+      (128, 16384, 2), (256, 4096, 2), (512, 4096, 3), (1000, 4096, 3)):
+    short = _data(1, queries, keys, 1, 1, 128)
     assert mosaic.default_tiling(
-        128, config, _inputs.parse(*short)).num_consumers == consumers
+        128, config, _inputs.parse(*short)).num_consumers == consumers, (
+            queries, keys)
   for kw in (dict(is_causal=True), dict(local_window_size=(500, 0)),
              dict(logits_soft_cap=30.0),
              dict(key_value_seq_lengths=jnp.array([4000]))):
@@ -727,7 +734,7 @@ GPU_CASES = [
     # stores clipped by TMA (BTNH) or into whole-tile arrays (BNTH; BTNH
     # with one head)
     ("sage2-8b", (1, 1000, 5000, 4, 2, 128), dict(layout="BNTH")),
-    ("sage2-8b", (2, 600, 4200, 1, 1, 128), dict()),
+    ("sage2-8b", (2, 700, 4200, 1, 1, 128), dict()),
     ("sage2-8b", (1, 1000, 1000, 4, 2, 64),
      dict(is_causal=True, causal_alignment="bottom_right",
           local_window_size=(300, 0), layout="BNTH")),

@@ -64,8 +64,20 @@ from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
 PARTS_ABOVE_HEAD_DIM = 128
 PERSISTENT_MAX_KEYS = 4096  # longer calls: the grid (NOTES, Mosaic section 11)
 # From so many keys, non-causal FP8 calls run three consumers in three
-# phases on the persistent grid (NOTES, Mosaic section 37).
+# phases on the persistent grid (NOTES, Mosaic section 37) ...
 THREE_PHASE_MIN_KEYS = 2048
+# ... where their 192-row tiles, each taking this many times a 128-row
+# tile of two consumers (measured 1.29-1.34 at 256-512 queries), cost no
+# more than two consumers' tiles: see :func:`three_consumers_pay`.
+THREE_CONSUMER_TILE_COST = 1.3
+
+
+def three_consumers_pay(queries: int) -> bool:
+  """Whether ``queries`` rows run faster in 192-row tiles of three
+  consumers than in 128-row tiles of two: 1.3 · ⌈T/192⌉ ≤ ⌈T/128⌉ (NOTES,
+  Mosaic section 37, H200, 4096 keys: T=256 two consumers 25% faster, T=512
+  three 4% faster, T=1000 equal). False at T ≤ 128, 193-256 and 577-640."""
+  return THREE_CONSUMER_TILE_COST * -(-queries // 192) <= -(-queries // 128)
 
 
 def default_tiling(head_dim: int, config: SageConfig,
@@ -77,7 +89,8 @@ def default_tiling(head_dim: int, config: SageConfig,
   128-key steps (256 were not measured there). At H=128, a non-causal
   ``call`` of at least 2048 keys whose tiles all do the same work
   (:func:`ordered_tiles`) with FP8 P·V and grouped K scales (no soft cap,
-  no smoothed Q) runs three 64-row consumers taking turns around their
+  no smoothed Q), and enough queries (:func:`three_consumers_pay`), runs
+  three 64-row consumers taking turns around their
   exponentials in three phases, on the persistent grid (section 37, H200,
   kernel alone: +4-5% at 16k over three consumers without turns on the
   hardware's grid, +8-11% at 4k over two on the persistent grid; causal
@@ -115,7 +128,8 @@ def default_tiling(head_dim: int, config: SageConfig,
   if (call is not None and config.pv_dtype == "fp8_e4m3"
       and not call.spec.is_causal and ordered_tiles(call)
       and call.logits_soft_cap is None and k_scale_grouped(config)
-      and not config.smooth_q and call.dims[5] >= THREE_PHASE_MIN_KEYS):
+      and not config.smooth_q and call.dims[5] >= THREE_PHASE_MIN_KEYS
+      and three_consumers_pay(call.dims[2])):
     return MosaicTiling(block_kv=128, num_stages=2, num_consumers=3,
                         consumer_registers=160, producer_registers=32,
                         schedule_exp=True, persistent=True)

@@ -22,7 +22,8 @@ FlashAttention-3 structure with 8-bit tensor cores. A CTA owns
   160 registers each. Taking turns around their exponentials in three
   phases (one consumer's ``exp2`` beside another's P·V and a third's
   Q·Kᵀ), on the persistent grid, they are the default for non-causal
-  calls from 2048 keys (section 37).
+  calls from 2048 keys with enough queries to fill their tiles (section
+  37).
 
 P̃ never leaves registers: the FP8 values of the FP32 accumulator layout are
 re-labelled as the 8-bit A-operand layout of the second ``wgmma``
