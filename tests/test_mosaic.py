@@ -446,7 +446,6 @@ def test_three_consumer_forward_pads_q_to_consumer_tiles_only(t, layout):
                                     "three_consumers", "persistent_5_ctas",
                                     "persistent_three_consumers_5_ctas",
                                     "three_consumers_unscheduled",
-                                    "three_consumers_exp_turns",
                                     "persistent_three_consumers_exp_turns_5_ctas",
                                     "per_key_scales"])
 def test_pipelining_variants_lower_for_cuda(tiling):
