@@ -90,11 +90,11 @@ def default_tiling(head_dim: int, config: SageConfig,
   ``call`` of at least 2048 keys whose tiles all do the same work
   (:func:`ordered_tiles`) with FP8 P·V and grouped K scales (no soft cap,
   no smoothed Q), and enough queries (:func:`three_consumers_pay`), runs
-  three 64-row consumers taking turns around their
-  exponentials in three phases, on the persistent grid (section 37, H200,
-  kernel alone: +4-5% at 16k over three consumers without turns on the
-  hardware's grid, +8-11% at 4k over two on the persistent grid; causal
-  and H=64 slower or equal, so not there). Other calls of at most 4096
+  three 64-row consumers taking turns around their exponentials in three
+  phases, on the persistent grid (section 37, H200, kernel alone: +4-5%
+  at 16k over three consumers without turns on the hardware's grid,
+  +8-11% at 4k over two on the persistent grid; causal and H=64 slower or
+  equal, so not there). Other calls of at most 4096
   keys whose tiles' work the kernel knows run the persistent grid with
   two consumers at 240/24 registers (section 11, H100: FP8 P·V kernel
   +10% at 1k, +2% at 4k, −1% at 16k; 16-bit P·V +8% at 2k, +3% at 4k;
