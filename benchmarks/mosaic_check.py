@@ -128,6 +128,7 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
 
 KERNEL_VARIANTS: list[str] = []  # --kernel-variants: extra tilings to time
 WITH_PALLAS = False  # --pallas: the "pallas" backend end to end beside them
+KERNELS_ONLY = False  # --kernels-only: the variants' kernels, not their e2e
 
 
 def variants_for(h, quick):
@@ -179,7 +180,8 @@ def variants_for(h, quick):
   for v in KERNEL_VARIANTS:
     tiling, cfg = parse_variant(v)
     out.append((f"kernel {v}", kernel_only(tiling, cfg)))
-    out.append((f"e2e {v}", e2e_tiling(tiling, cfg)))
+    if not KERNELS_ONLY:
+      out.append((f"e2e {v}", e2e_tiling(tiling, cfg)))
   if KERNEL_VARIANTS:
     if WITH_PALLAS:
       out.append(("pallas e2e", e2e("pallas")))
@@ -204,6 +206,9 @@ def main():
   parser.add_argument("--pallas", action="store_true",
                       help="with --kernel-variants: time the 'pallas' "
                       "(Triton) backend end to end too")
+  parser.add_argument("--kernels-only", action="store_true",
+                      help="with --kernel-variants: time the variants' "
+                      "kernels alone (no end-to-end call per variant)")
   parser.add_argument("--shapes", default="",
                       help="';'-separated B,N,S,H,causal (causal 0/1)")
   parser.add_argument("--compile-only", action="store_true",
@@ -213,9 +218,10 @@ def main():
   parser.add_argument("--dry-run", action="store_true",
                       help="xla backend, tiny shapes: test the script on a CPU")
   args = parser.parse_args()
-  global IMPL, WITH_PALLAS
+  global IMPL, WITH_PALLAS, KERNELS_ONLY
   KERNEL_VARIANTS.extend(filter(None, args.kernel_variants.split(";")))
   WITH_PALLAS = args.pallas
+  KERNELS_ONLY = args.kernels_only
   if args.dry_run:
     IMPL = "xla"
   os.makedirs(args.out, exist_ok=True)
