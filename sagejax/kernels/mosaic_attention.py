@@ -100,10 +100,10 @@ class MosaicTiling:
       step's softmax (FlashAttention-3's intra-warpgroup pipelining), so the
       tensor cores compute it while the softmax runs; costs one more score
       accumulator of registers, and applies the key scales per key. Its
-      product is in flight across the KV loop's back edge, where ptxas
-      cannot follow a partial ``wgmma`` wait and injects a full one
-      (C7517), so the overlap is partial (benchmarks/NOTES.md, Mosaic
-      section 38).
+      Q·Kᵀ is in flight across the KV loop's back edge, and ptxas injects
+      a ``wgmma`` wait to read it (C7517), so the overlap is partial (a
+      deferred P·V in flight there was serialized outright:
+      benchmarks/NOTES.md, Mosaic section 38).
     register_softmax: the softmax's reductions as trees over registers, and
       with ``k_scale_grouped`` inputs the key scales applied once per
       thread and 64 keys (the functions above ``_as_pv_operand``) rather
