@@ -726,7 +726,8 @@ GPU_CASES = [
     # two consumers below 2048 keys, three in three phases from 2048
     ("sage2-8b", (2, 1000, 1500, 8, 2, 128), dict()),
     ("sage2-8b", (2, 1000, 3000, 8, 2, 128), dict()),
-    # non-causal past 4096 keys: three consumers (default_tiling)
+    # non-causal past 4096 keys (where two consumers would leave the
+    # persistent grid): three consumers in three phases (default_tiling)
     ("sage2-8b", (1, 1000, 5000, 4, 2, 128), dict()),
     ("sage2-4b", (1, 300, 4500, 4, 4, 128), dict(layout="BNTH")),
     # ... whose last 192-row tile reaches past T (Q not padded to it):
