@@ -75,6 +75,24 @@ class MaskSpec:
         ok = ok & (j >= diag - left) & (j <= diag + right)
     return ok
 
+  def visible_keys(self, i: jax.Array, q_limit, kv_limit
+                   ) -> tuple[jax.Array, jax.Array]:
+    """:meth:`visible_at` as an interval per query: ``(first, last)``, the
+    first and last key query ``i`` sees (``last < first``: none; ``first``
+    0 without a window). Key ``j`` is visible iff ``first <= j <= last``."""
+    first = jnp.zeros_like(i)
+    last = jnp.broadcast_to(kv_limit - 1, i.shape).astype(i.dtype)
+    if self.is_causal or self.window is not None:
+      bottom_right = self.causal_alignment == "bottom_right"
+      diag = i + (kv_limit - q_limit if bottom_right else 0)
+      if self.is_causal:
+        last = jnp.minimum(last, diag)
+      if self.window is not None:
+        left, right = self.window
+        first = jnp.maximum(first, diag - left)
+        last = jnp.minimum(last, diag + right)
+    return first, jnp.where(i < q_limit, last, -1)
+
 
 def group_heads(x: Optional[jax.Array], kv_heads: int, t_pad: int, s_pad: int,
                 fill) -> Optional[jax.Array]:

@@ -391,6 +391,52 @@ def _thread_group_scales(ref, blocks: int) -> list:
   return [_element(v, i) for i in range(blocks)]
 
 
+def mask_keys(t: jax.Array, first: jax.Array, last: jax.Array,
+              lower: bool = True) -> jax.Array:
+  """``t [64, N]`` (f32, WGMMA layout) with −inf where key ``c`` of the
+  step (0 ≤ c < N) lies outside ``first[r] <= c <= last[r]`` for its row
+  (``[64]`` int32, row layout; ``lower=False``: ``first`` is ≤ 0 and not
+  compared). Each thread compares its keys' offsets as immediates against
+  two per-row bounds: no per-key index held in registers (a key iota's 32
+  per-thread offsets, hoisted out of the KV loop by LLVM, spilled three
+  consumers' registers: benchmarks/NOTES.md, Mosaic section 40)."""
+  rows, n = t.shape
+  layout = plgpu.Layout.WGMMA.reduce(1)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, layout, layout),
+      return_type=plgpu.ShapeDtypeStruct((rows, n), jnp.float32,
+                                         layout=plgpu.Layout.WGMMA))
+  def masked(_, t, first, last):
+    mgpu, fa, ir, arith, vector = _mgpu()
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    # This thread's keys of every 8 are 2c and 2c + 1 (c = lane mod 4):
+    # bounds taken relative to its first one.
+    own = arith.muli(arith.remui(mgpu.utils.thread_idx(), mgpu.c(4, i32)),
+                     mgpu.c(2, i32))
+    lo = [arith.subi(_element(x), own) for x in first.registers.reshape(2)]
+    hi = [arith.subi(_element(x), own) for x in last.registers.reshape(2)]
+    hidden = mgpu.c(float("-inf"), f32)
+    regs = np.array(t.registers, dtype=object)
+    flat = _wgmma_rows(regs)  # a view of regs
+    for g in range(flat.shape[0]):
+      for r in range(2):
+        values = []
+        for e in range(2):
+          key = mgpu.c(8 * g + e, i32)
+          seen = arith.cmpi(arith.CmpIPredicate.sle, key, hi[r])
+          if lower:
+            seen = arith.andi(seen, arith.cmpi(arith.CmpIPredicate.sge, key,
+                                               lo[r]))
+          values.append(arith.select(seen, _element(flat[g, r], e), hidden))
+        flat[g, r] = vector.from_elements(ir.VectorType.get((2,), f32),
+                                          values)
+    return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT,
+                                _is_signed=None)
+
+  return masked(t, first, last)
+
+
 def _wgmma_rows(regs: np.ndarray) -> np.ndarray:
   """The registers of a ``[64, N]`` WGMMA-layout array as ``[N / 8, 2]``
   (key group of 8, row r / r + 8)."""
@@ -1040,13 +1086,12 @@ def attention_forward(
             t = jnp.where(pair == -jnp.inf, -jnp.inf, t)
         if mk_ref is not None:  # a mask array (selected: NaN dropped)
           t = jnp.where(pair != 0, t, -jnp.inf)
-        if masked:
-          rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0,
-                                               layout=plgpu.Layout.WGMMA)
-          cols = j * bkv + plgpu.broadcasted_iota(
-              jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-          t = jnp.where(spec.visible_at(rows, cols, q_len, kv_len), t,
-                        -jnp.inf)
+        if masked:  # each row's visible keys, relative to the step's
+          rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
+                                               layout=row_layout)
+          first, last = (plgpu.layout_cast(x - j * bkv, row_layout)
+                         for x in spec.visible_keys(rows, q_len, kv_len))
+          t = mask_keys(t, first, last, lower=spec.window is not None)
         return t
 
       def softmax(x, keys, j, masked: bool, m, l, *, scaled: bool = False,
