@@ -461,6 +461,26 @@ def test_pipelining_variants_lower_for_cuda(tiling):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("window", [None, (5, 0), (3, 7), (0, 0)])
+def test_visible_keys_are_visible_at_as_an_interval(causal, alignment,
+                                                    window):
+  """The Mosaic forward masks a step by each row's first and last visible
+  key (``MaskSpec.visible_keys``): the same pairs as ``visible_at``, for
+  every alignment and window, with lengths shorter or longer than the
+  other side, empty, and rows past the query length."""
+  spec = MaskSpec(causal, alignment, window, 40, 50)
+  rows, keys = np.arange(45), np.arange(60)
+  for q_len, kv_len in ((40, 50), (30, 50), (40, 20), (0, 10), (13, 0)):
+    want = spec.visible_at(rows[:, None], keys[None, :], q_len, kv_len)
+    first, last = spec.visible_keys(jnp.asarray(rows), q_len, kv_len)
+    got = ((keys[None, :] >= np.asarray(first)[:, None])
+           & (keys[None, :] <= np.asarray(last)[:, None]))
+    np.testing.assert_array_equal(got, np.asarray(want),
+                                  err_msg=f"{q_len=} {kv_len=}")
+
+
 @pytest.mark.parametrize("b,n,num_q_tiles,num_ctas", [
     (2, 4, 6, 5), (2, 4, 6, 7), (4, 32, 8, 132), (1, 3, 1, 132)])
 def test_persistent_schedule_takes_every_tile_once(b, n, num_q_tiles,
@@ -560,8 +580,7 @@ def test_default_tiling_is_persistent_only_for_ordered_tiles():
   """The persistent grid (a static tile order) is the default where it
   knows each query tile's work: H=128, no window, lengths or mask array,
   at most 4096 keys (a causal mask alone: tiles dealt heaviest first) or
-  non-causal with three consumers; the hardware's grid balances the
-  rest."""
+  with three consumers; the hardware's grid balances the rest."""
   q, k, v = _data(2, 200, 300, 4, 2, 128)
   config = PRESETS["sage2-8b"]
   pick = lambda **kw: mosaic.default_tiling(128, config,
@@ -599,13 +618,14 @@ def test_default_tiling_is_persistent_only_for_ordered_tiles():
   assert (wide16.block_kv, wide16.pv_part_cols) == (64, 128)
 
 
-def test_long_non_causal_calls_take_three_consumers():
+def test_long_calls_take_three_consumers():
   """From 2048 keys, a non-causal call whose tiles all do the same work,
   with FP8 P·V and grouped K scales, runs three consumers of 64 rows
   taking turns around their exponentials, on the persistent grid
-  (benchmarks/NOTES.md, Mosaic section 37); calls with fewer keys or too
-  few queries to fill 192-row tiles, causal, windowed, capped,
-  16-bit-P·V or per-token-K calls keep two. It lowers for CUDA."""
+  (benchmarks/NOTES.md, Mosaic section 37), and so does a causal one from
+  8192 keys (section 40); calls with fewer keys or too few queries to
+  fill 192-row tiles, windowed, capped, 16-bit-P·V or per-token-K calls
+  keep two. It lowers for CUDA."""
   config = PRESETS["sage2-8b"]
   q, k, v = _data(1, 400, mosaic.PERSISTENT_MAX_KEYS + 904, 4, 2, 128)
   pick = lambda config=config, **kw: mosaic.default_tiling(
@@ -622,6 +642,15 @@ def test_long_non_causal_calls_take_three_consumers():
     assert mosaic.default_tiling(
         128, config, _inputs.parse(*short)).num_consumers == consumers, (
             queries, keys)
+  for keys, consumers in ((mosaic.THREE_PHASE_MIN_KEYS_CAUSAL, 3),
+                         (mosaic.THREE_PHASE_MIN_KEYS_CAUSAL - 1, 2)):
+    for alignment in ("top_left", "bottom_right"):
+      causal = mosaic.default_tiling(128, config, _inputs.parse(
+          *_data(1, 400, keys, 1, 1, 128), is_causal=True,
+          causal_alignment=alignment))
+      assert (causal.num_consumers, causal.schedule_exp,
+              causal.persistent) == (consumers, consumers == 3,
+                                     consumers == 3), (keys, alignment)
   for kw in (dict(is_causal=True), dict(local_window_size=(500, 0)),
              dict(logits_soft_cap=30.0),
              dict(key_value_seq_lengths=jnp.array([4000]))):
@@ -746,6 +775,10 @@ GPU_CASES = [
      dict(causal_alignment="bottom_right", is_causal=True, lengths=True)),
     # causal alone: the persistent grid, tiles dealt heaviest first
     ("sage2-8b", (2, 700, 1500, 8, 4, 128),
+     dict(is_causal=True, causal_alignment="bottom_right")),
+    # causal from 8192 keys: three consumers in three phases, persistent
+    ("sage2-8b", (1, 8200, 8200, 2, 1, 128), dict(is_causal=True)),
+    ("sage2-8b", (1, 1000, 8300, 4, 2, 128),
      dict(is_causal=True, causal_alignment="bottom_right")),
     # head dims above 128: P·V and the output in column parts
     ("sage2-8b", (2, 1000, 777, 8, 2, 256), dict(is_causal=True)),

@@ -66,6 +66,10 @@ PERSISTENT_MAX_KEYS = 4096  # longer calls: the grid (NOTES, Mosaic section 11)
 # From so many keys, non-causal FP8 calls run three consumers in three
 # phases on the persistent grid (NOTES, Mosaic section 37) ...
 THREE_PHASE_MIN_KEYS = 2048
+# ... and causal ones from this many (section 40, H200, kernel alone:
+# +12-13% at 8k and 16k over two consumers on the hardware's grid; equal
+# to two consumers on the persistent grid at 4096).
+THREE_PHASE_MIN_KEYS_CAUSAL = 8192
 # ... where their 192-row tiles, each taking this many times a 128-row
 # tile of two consumers (measured 1.29-1.34 at 256-512 queries), cost no
 # more than two consumers' tiles: see :func:`three_consumers_pay`.
@@ -93,9 +97,11 @@ def default_tiling(head_dim: int, config: SageConfig,
   three 64-row consumers taking turns around their exponentials in three
   phases, on the persistent grid (section 37, H200, kernel alone: +4-5%
   at 16k over three consumers without turns on the hardware's grid,
-  +8-11% at 4k over two on the persistent grid; causal and H=64 slower or
-  equal, so not there). Other calls of at most 4096
-  keys whose tiles' work the kernel knows run the persistent grid with
+  +8-11% at 4k over two on the persistent grid; H=64 slower), and so
+  does a causal one from 8192 keys (section 40: once the masked steps
+  stopped spilling, +12-13% at 8k and 16k over two consumers on the
+  hardware's grid). Other calls of at most 4096 keys whose tiles' work
+  the kernel knows run the persistent grid with
   two consumers at 240/24 registers (section 11, H100: FP8 P·V kernel
   +10% at 1k, +2% at 4k, −1% at 16k; 16-bit P·V +8% at 2k, +3% at 4k;
   section 15: causal tiles dealt heaviest first, back and forth, +3-6% at
@@ -126,9 +132,11 @@ def default_tiling(head_dim: int, config: SageConfig,
       return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
     return MosaicTiling(block_kv=128, num_stages=3)
   if (call is not None and config.pv_dtype == "fp8_e4m3"
-      and not call.spec.is_causal and ordered_tiles(call)
+      and ordered_tiles(call)
       and call.logits_soft_cap is None and k_scale_grouped(config)
-      and not config.smooth_q and call.dims[5] >= THREE_PHASE_MIN_KEYS
+      and not config.smooth_q
+      and call.dims[5] >= (THREE_PHASE_MIN_KEYS_CAUSAL if call.spec.is_causal
+                           else THREE_PHASE_MIN_KEYS)
       and three_consumers_pay(call.dims[2])):
     return MosaicTiling(block_kv=128, num_stages=2, num_consumers=3,
                         consumer_registers=160, producer_registers=32,
