@@ -59,6 +59,11 @@ class MaskSpec:
     return self.visible_at(q_pos[None, None, :, None],
                            k_pos[None, None, None, :], q_limit, kv_limit)
 
+  def _diagonal(self, i: jax.Array, q_limit, kv_limit) -> jax.Array:
+    """The key on query ``i``'s diagonal (see the module docstring)."""
+    bottom_right = self.causal_alignment == "bottom_right"
+    return i + (kv_limit - q_limit if bottom_right else 0)
+
   def visible_at(self, i: jax.Array, j: jax.Array, q_limit, kv_limit
                  ) -> jax.Array:
     """The rule itself, on broadcastable query and key positions ``i``, ``j``
@@ -66,8 +71,7 @@ class MaskSpec:
     tile with scalar lengths)."""
     ok = (j < kv_limit) & (i < q_limit)
     if self.is_causal or self.window is not None:
-      bottom_right = self.causal_alignment == "bottom_right"
-      diag = i + (kv_limit - q_limit if bottom_right else 0)
+      diag = self._diagonal(i, q_limit, kv_limit)
       if self.is_causal:
         ok = ok & (j <= diag)
       if self.window is not None:
@@ -83,8 +87,7 @@ class MaskSpec:
     first = jnp.zeros_like(i)
     last = jnp.broadcast_to(kv_limit - 1, i.shape).astype(i.dtype)
     if self.is_causal or self.window is not None:
-      bottom_right = self.causal_alignment == "bottom_right"
-      diag = i + (kv_limit - q_limit if bottom_right else 0)
+      diag = self._diagonal(i, q_limit, kv_limit)
       if self.is_causal:
         last = jnp.minimum(last, diag)
       if self.window is not None:
