@@ -96,6 +96,23 @@ class MaskSpec:
         last = jnp.minimum(last, diag + right)
     return first, jnp.where(i < q_limit, last, -1)
 
+  def visible_queries(self, j: jax.Array, q_limit, kv_limit
+                      ) -> tuple[jax.Array, jax.Array]:
+    """:meth:`visible_at` as an interval per key: ``(first, last)``, the
+    first and last query that sees key ``j`` (``last < first``: none)."""
+    first = jnp.zeros_like(j)
+    last = jnp.broadcast_to(q_limit - 1, j.shape).astype(j.dtype)
+    if self.is_causal or self.window is not None:
+      bottom_right = self.causal_alignment == "bottom_right"
+      d = j - (kv_limit - q_limit if bottom_right else 0)  # j's diagonal
+      if self.is_causal:
+        first = jnp.maximum(first, d)
+      if self.window is not None:
+        left, right = self.window
+        first = jnp.maximum(first, d - right)
+        last = jnp.minimum(last, d + left)
+    return first, jnp.where(j < kv_limit, last, -1)
+
 
 def group_heads(x: Optional[jax.Array], kv_heads: int, t_pad: int, s_pad: int,
                 fill) -> Optional[jax.Array]:

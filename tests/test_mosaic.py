@@ -466,10 +466,11 @@ def test_pipelining_variants_lower_for_cuda(tiling):
 @pytest.mark.parametrize("window", [None, (5, 0), (3, 7), (0, 0)])
 def test_visible_keys_are_visible_at_as_an_interval(causal, alignment,
                                                     window):
-  """The Mosaic forward masks a step by each row's first and last visible
-  key (``MaskSpec.visible_keys``): the same pairs as ``visible_at``, for
-  every alignment and window, with lengths shorter or longer than the
-  other side, empty, and rows past the query length."""
+  """The Mosaic kernels mask a tile by each row's first and last visible
+  key (``MaskSpec.visible_keys``), or in the backward's transposed tiles
+  each key's first and last query (``visible_queries``): the same pairs as
+  ``visible_at``, for every alignment and window, with lengths shorter or
+  longer than the other side, empty, and rows past the query length."""
   spec = MaskSpec(causal, alignment, window, 40, 50)
   rows, keys = np.arange(45), np.arange(60)
   for q_len, kv_len in ((40, 50), (30, 50), (40, 20), (0, 10), (13, 0)):
@@ -479,6 +480,12 @@ def test_visible_keys_are_visible_at_as_an_interval(causal, alignment,
            & (keys[None, :] <= np.asarray(last)[:, None]))
     np.testing.assert_array_equal(got, np.asarray(want),
                                   err_msg=f"{q_len=} {kv_len=}")
+    # Per key (the backward's transposed tiles): its first and last query.
+    first, last = spec.visible_queries(jnp.asarray(keys), q_len, kv_len)
+    got = ((rows[:, None] >= np.asarray(first)[None, :])
+           & (rows[:, None] <= np.asarray(last)[None, :]))
+    np.testing.assert_array_equal(got, np.asarray(want),
+                                  err_msg=f"keys: {q_len=} {kv_len=}")
 
 
 @pytest.mark.parametrize("b,n,num_q_tiles,num_ctas", [

@@ -392,11 +392,11 @@ def _thread_group_scales(ref, blocks: int) -> list:
 
 
 def mask_keys(t: jax.Array, first: jax.Array, last: jax.Array,
-              lower: bool = True) -> jax.Array:
-  """``t [64, N]`` (f32, WGMMA layout) with −inf where key ``c`` of the
-  step (0 ≤ c < N) lies outside ``first[r] <= c <= last[r]`` for its row
-  (``[64]`` int32, row layout; ``lower=False``: ``first`` is ≤ 0 and not
-  compared). Each thread compares its keys' offsets as immediates against
+              lower: bool = True, fill: float = -float("inf")) -> jax.Array:
+  """``t [64, N]`` (f32, WGMMA layout) with ``fill`` where column ``c``
+  (0 ≤ c < N: a step's key) lies outside ``first[r] <= c <= last[r]`` for
+  its row (``[64]`` int32, row layout; ``lower=False``: ``first`` is ≤ 0
+  and not compared). Each thread compares its keys' offsets as immediates against
   two per-row bounds: no per-key index held in registers (a key iota's 32
   per-thread offsets, hoisted out of the KV loop by LLVM, spilled three
   consumers' registers: benchmarks/NOTES.md, Mosaic section 40)."""
@@ -416,7 +416,7 @@ def mask_keys(t: jax.Array, first: jax.Array, last: jax.Array,
                      mgpu.c(2, i32))
     lo = [arith.subi(_element(x), own) for x in first.registers.reshape(2)]
     hi = [arith.subi(_element(x), own) for x in last.registers.reshape(2)]
-    hidden = mgpu.c(float("-inf"), f32)
+    hidden = mgpu.c(fill, f32)
     regs = np.array(t.registers, dtype=object)
     flat = _wgmma_rows(regs)  # a view of regs
     for g in range(flat.shape[0]):

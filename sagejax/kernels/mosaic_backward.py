@@ -67,7 +67,8 @@ from sagejax.kernels._common import (key_blocks, layout_dims, query_blocks,
                                      visit_block, visit_blocks,
                                      visit_position)
 from sagejax.kernels.mosaic_attention import (check_registers, load_all,
-                                              tile_rows, wgmma_smem)
+                                              mask_keys, tile_rows,
+                                              wgmma_smem)
 from sagejax.masks import MaskSpec
 
 ROWS = 64  # rows per consumer warpgroup (the wgmma M tile); a CTA owns 2x
@@ -308,16 +309,29 @@ def _two_products(first, second, cols: int):
 
 
 def _visible(spec: MaskSpec, q_first, k_first, shape, q_len, kv_len, *,
-             keys_on_rows: bool) -> jax.Array:
+             keys_on_rows: bool, also=None):
   """The mask rule on a ``shape`` tile (WGMMA layout) whose query positions
-  start at ``q_first`` and key positions at ``k_first``; keys along the rows
-  (a transposed tile) or along the columns."""
-  def positions(first, axis):
-    return first + plgpu.broadcasted_iota(jnp.int32, shape, axis,
-                                          layout=plgpu.Layout.WGMMA)
-  keys = positions(k_first, 0 if keys_on_rows else 1)
-  queries = positions(q_first, 1 if keys_on_rows else 0)
-  return spec.visible_at(queries, keys, q_len, kv_len)
+  start at ``q_first`` and key positions at ``k_first``, keys along the rows
+  (a transposed tile) or along the columns: a function that zeroes an f32
+  tile's hidden pairs (and, ``also``, where that boolean tile is False).
+  Each row's visible columns are an interval (``MaskSpec.visible_keys`` /
+  ``visible_queries``) that :func:`mask_keys` compares as immediates, no
+  iota held in registers (benchmarks/NOTES.md, Mosaic section 40)."""
+  rows, _ = shape
+  layout = plgpu.Layout.WGMMA.reduce(1)
+  row_first, col_first = (k_first, q_first) if keys_on_rows else (q_first,
+                                                                  k_first)
+  pos = row_first + plgpu.broadcasted_iota(jnp.int32, (rows,), 0,
+                                           layout=layout)
+  bounds = (spec.visible_queries if keys_on_rows else spec.visible_keys)(
+      pos, q_len, kv_len)
+  first, last = (plgpu.layout_cast(x - col_first, layout) for x in bounds)
+  lower = keys_on_rows or spec.window is not None
+
+  def hide(x):
+    x = mask_keys(x, first, last, lower=lower, fill=0.0)
+    return x if also is None else jnp.where(also, x, 0.0)
+  return hide
 
 
 def _probabilities(s, c: float, lse, soft_cap: Optional[float],
@@ -325,7 +339,8 @@ def _probabilities(s, c: float, lse, soft_cap: Optional[float],
   """(P = exp2(c·s − lse₂), the soft cap's slope or None) of a tile of raw
   Q·Kᵀ sums ``s`` (either orientation), the logits capped first
   (:func:`sagejax.quant.soft_cap_base2_and_slope`); both zero where
-  ``visible()`` (the tile's mask; None: all visible) is False. ``lse``:
+  ``visible()`` (the tile's mask, a function that zeroes its hidden
+  pairs: :func:`_visible`; None: all visible) hides them. ``lse``:
   lse₂ broadcast to the tile, or a function that makes it. (Both functions
   are called where the kernels made their values before the cap existed,
   so that uncapped programs lower as they did.)"""
@@ -336,10 +351,10 @@ def _probabilities(s, c: float, lse, soft_cap: Optional[float],
     x, slope = quant.soft_cap_base2_and_slope(x, soft_cap)
   p = jnp.exp2(x - lse)
   if visible is not None:
-    seen = visible()
-    p = jnp.where(seen, p, 0.0)
+    hide = visible()
+    p = hide(p)
     if slope is not None:
-      slope = jnp.where(seen, slope, 0.0)
+      slope = hide(slope)
   return p, slope
 
 
@@ -689,12 +704,12 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_lengths, kv_lengths, dq_acc=None,
         dl = lax.broadcast_in_dim(load_all(dl_smem.at[slot], col_layout),
                                   (ROWS, bq), [1])
         def visible():
-          seen = _visible(spec, i * bq, k0, (ROWS, bq), q_len, kv_len,
-                          keys_on_rows=True)
+          also = None
           if mk_ref is not None:  # the caller's mask (selected: NaN dropped)
             mk = load_all(mk_smem.at[slot, own], plgpu.Layout.WGMMA)
-            seen = seen & (mk != 0)
-          return seen
+            also = mk != 0
+          return _visible(spec, i * bq, k0, (ROWS, bq), q_len, kv_len,
+                          keys_on_rows=True, also=also)
 
         p_t, slope = _probabilities(s_t, c, lse, soft_cap,
                                     visible if masked else None)
