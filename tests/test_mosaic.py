@@ -625,38 +625,40 @@ def test_default_tiling_is_persistent_only_for_ordered_tiles():
   assert (wide16.block_kv, wide16.pv_part_cols) == (64, 128)
 
 
-def test_long_calls_take_three_consumers():
+@pytest.mark.parametrize("h", [64, 128])
+def test_long_calls_take_three_consumers(h):
   """From 2048 keys, a non-causal call whose tiles all do the same work,
   with FP8 P·V and grouped K scales, runs three consumers of 64 rows
   taking turns around their exponentials, on the persistent grid
-  (benchmarks/NOTES.md, Mosaic section 37), and so does a causal one from
-  8192 keys (section 40); calls with fewer keys or too few queries to
-  fill 192-row tiles, windowed, capped, 16-bit-P·V or per-token-K calls
-  keep two. It lowers for CUDA."""
+  (benchmarks/NOTES.md, Mosaic sections 37 and 42), and so does a causal
+  one from 8192 keys (section 40); calls with fewer keys or too few
+  queries to fill 192-row tiles, windowed, capped, 16-bit-P·V or
+  per-token-K calls keep two. It lowers for CUDA."""
   config = PRESETS["sage2-8b"]
-  q, k, v = _data(1, 400, mosaic.PERSISTENT_MAX_KEYS + 904, 4, 2, 128)
+  q, k, v = _data(1, 400, mosaic.PERSISTENT_MAX_KEYS + 904, 4, 2, h)
   pick = lambda config=config, **kw: mosaic.default_tiling(
-      128, config, _inputs.parse(q, k, v, **kw))
+      h, config, _inputs.parse(q, k, v, **kw))
   three = pick()
   assert (three.num_consumers, three.schedule_barrier, three.schedule_exp,
-          three.persistent, three.consumer_registers,
-          three.group_key_scales) == (3, True, True, True, 160, True)
+          three.persistent, three.consumer_registers, three.block_kv,
+          three.group_key_scales) == (3, True, True, True, 160, 128, True)
   for queries, keys, consumers in (
       (400, mosaic.THREE_PHASE_MIN_KEYS, 3),
       (400, mosaic.THREE_PHASE_MIN_KEYS - 1, 2),
       (128, 16384, 2), (256, 4096, 2), (512, 4096, 3), (1000, 4096, 3)):
-    short = _data(1, queries, keys, 1, 1, 128)
+    short = _data(1, queries, keys, 1, 1, h)
     assert mosaic.default_tiling(
-        128, config, _inputs.parse(*short)).num_consumers == consumers, (
+        h, config, _inputs.parse(*short)).num_consumers == consumers, (
             queries, keys)
   for keys, consumers in ((mosaic.THREE_PHASE_MIN_KEYS_CAUSAL, 3),
                          (mosaic.THREE_PHASE_MIN_KEYS_CAUSAL - 1, 2)):
     for alignment in ("top_left", "bottom_right"):
-      causal = mosaic.default_tiling(128, config, _inputs.parse(
-          *_data(1, 400, keys, 1, 1, 128), is_causal=True,
+      causal = mosaic.default_tiling(h, config, _inputs.parse(
+          *_data(1, 400, keys, 1, 1, h), is_causal=True,
           causal_alignment=alignment))
+      # (H=64's two consumers take exponential turns too)
       assert (causal.num_consumers, causal.schedule_exp,
-              causal.persistent) == (consumers, consumers == 3,
+              causal.persistent) == (consumers, consumers == 3 or h == 64,
                                      consumers == 3), (keys, alignment)
   for kw in (dict(is_causal=True), dict(local_window_size=(500, 0)),
              dict(logits_soft_cap=30.0),
@@ -783,6 +785,9 @@ GPU_CASES = [
     # causal alone: the persistent grid, tiles dealt heaviest first
     ("sage2-8b", (2, 700, 1500, 8, 4, 128),
      dict(is_causal=True, causal_alignment="bottom_right")),
+    # H=64 non-causal from 2048 keys: three phases too (its 64-column
+    # tiles; the last 192-row tile past T)
+    ("sage2-8b", (1, 700, 2100, 4, 2, 64), dict()),
     # causal from 8192 keys: three consumers in three phases, persistent
     ("sage2-8b", (1, 8200, 8200, 2, 1, 128), dict(is_causal=True)),
     ("sage2-8b", (1, 1000, 8300, 4, 2, 128),
@@ -1160,31 +1165,60 @@ def _valid_rows(lengths, t, *arrays):
           if x.ndim == 4 else np.where(rows, x, -np.inf) for x in arrays]
 
 
-@gpu
-@needs_hopper
-@pytest.mark.parametrize("tiling", list(KERNEL_TILINGS))
-@pytest.mark.parametrize("window", [False, True])
-def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
+# H=64's FP8 tilings (default_tiling): 256-key steps in exponential turns
+# (two consumers), and three consumers in three phases on the persistent
+# grid (non-causal from 2048 keys, causal from 8192).
+H64_KERNEL_TILINGS = {
+    "bkv256_exp_turns": MosaicTiling(block_kv=256, schedule_exp=True),
+    "persistent_three_consumers_exp_turns_5_ctas": MosaicTiling(
+        persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
+        producer_registers=32, schedule_exp=True),
+}
+
+
+def _check_kernel_alone(tiling: MosaicTiling, window: bool, h: int,
+                        bound: float = 5e-3, two_level: bool = True):
   """Same quantized inputs (quant.py's, V reordered and transposed) → the
-  compiled kernel == the "xla" arithmetic on them, for every pipelining
-  of the consumers (causal; or a window with lengths a few tokens short)."""
+  compiled kernel under ``tiling`` == the "xla" arithmetic on them (causal;
+  or a window with lengths a few tokens short): rel_l2 < ``bound``, LSE
+  within 1e-2."""
   config = PRESETS["sage2-8b"]
-  b, t, s, n, kh, h = 2, 768, 768, 4, 2, 128  # T: 6 CTAs of 2 or 4 of 3
+  b, t, s, n, kh = 2, 768, 768, 4, 2  # T: 6 CTAs of 2 or 4 of 3
   qkv, spec, lengths, want, want_lse, v_t = _kernel_case(
       config, (b, t, s, n, kh, h), "channel_bias", window)
   testing.poison_device_memory(b * n * t * h * 4 * 4)
   got, got_lse = jax.jit(lambda *a: mosaic_attention.attention_forward(
       *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
       out_dtype=jnp.float32, k_scale_grouped=mosaic.k_scale_grouped(config),
-      pv_two_level=tiling not in ONE_LEVEL_PV,
-      tiling=KERNEL_TILINGS[tiling]))(
+      pv_two_level=two_level, tiling=tiling))(
           qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, v_t, qkv.v_scale, None,
           None)
   got, want, got_lse, want_lse = _valid_rows(lengths, t, got, want, got_lse,
                                              want_lse)
-  bound = ONE_LEVEL_PV.get(tiling, 5e-3)
   assert testing.error_metrics(got, want)["rel_l2"] < bound
   np.testing.assert_allclose(got_lse, want_lse, atol=1e-2)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("tiling", list(KERNEL_TILINGS))
+@pytest.mark.parametrize("window", [False, True])
+def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
+  """The H=128 kernel under every pipelining of the consumers ==
+  the "xla" arithmetic on the same quantized inputs."""
+  _check_kernel_alone(KERNEL_TILINGS[tiling], window, 128,
+                      ONE_LEVEL_PV.get(tiling, 5e-3),
+                      two_level=tiling not in ONE_LEVEL_PV)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("tiling", list(H64_KERNEL_TILINGS))
+@pytest.mark.parametrize("window", [False, True])
+def test_gpu_head_dim_64_kernel_matches_xla_arithmetic(tiling, window):
+  """The H=64 kernel under its FP8 tilings == the "xla" arithmetic on the
+  same quantized inputs."""
+  _check_kernel_alone(H64_KERNEL_TILINGS[tiling], window, 64)
 
 
 @gpu

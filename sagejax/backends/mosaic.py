@@ -90,17 +90,18 @@ def default_tiling(head_dim: int, config: SageConfig,
   section 5): at H=64 with FP8 P·V, 256-key steps with the consumers taking
   turns around their exponentials (+10-12% over 128-key steps meeting
   around the products); 16-bit P·V (``sage1``, the training forward) keeps
-  128-key steps (256 were not measured there). At H=128, a non-causal
+  128-key steps (256 were not measured there). At H ≤ 128, a non-causal
   ``call`` of at least 2048 keys whose tiles all do the same work
   (:func:`ordered_tiles`) with FP8 P·V and grouped K scales (no soft cap,
   no smoothed Q), and enough queries (:func:`three_consumers_pay`), runs
   three 64-row consumers taking turns around their exponentials in three
   phases, on the persistent grid (section 37, H200, kernel alone: +4-5%
   at 16k over three consumers without turns on the hardware's grid,
-  +8-11% at 4k over two on the persistent grid; H=64 slower), and so
-  does a causal one from 8192 keys (section 40: once the masked steps
-  stopped spilling, +12-13% at 8k and 16k over two consumers on the
-  hardware's grid). Other calls of at most 4096 keys whose tiles' work
+  +8-11% at 4k over two on the persistent grid), and so does a causal one
+  from 8192 keys (section 40: once the masked steps stopped spilling,
+  +12-13% at 8k and 16k over two consumers on the hardware's grid;
+  section 42, H=64: +4-8% over its 256-key steps at 4k-16k, +3% at 16k
+  causal). Other calls of at most 4096 keys whose tiles' work
   the kernel knows run the persistent grid with
   two consumers at 240/24 registers (section 11, H100: FP8 P·V kernel
   +10% at 1k, +2% at 4k, −1% at 16k; 16-bit P·V +8% at 2k, +3% at 4k;
@@ -123,14 +124,6 @@ def default_tiling(head_dim: int, config: SageConfig,
                           producer_registers=24, pv_part_cols=128)
     return MosaicTiling(block_kv=128, num_stages=2, consumer_registers=240,
                         producer_registers=24, pv_part_cols=32)
-  if head_dim <= 64:
-    # A soft cap or a mask array: every step per key (no grouped softmax).
-    per_key = call is not None and (call.logits_soft_cap is not None
-                                    or call.mask is not None
-                                    or call.bias is not None)
-    if config.pv_dtype == "fp8_e4m3" and not per_key:
-      return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
-    return MosaicTiling(block_kv=128, num_stages=3)
   if (call is not None and config.pv_dtype == "fp8_e4m3"
       and ordered_tiles(call)
       and call.logits_soft_cap is None and k_scale_grouped(config)
@@ -141,6 +134,14 @@ def default_tiling(head_dim: int, config: SageConfig,
     return MosaicTiling(block_kv=128, num_stages=2, num_consumers=3,
                         consumer_registers=160, producer_registers=32,
                         schedule_exp=True, persistent=True)
+  if head_dim <= 64:
+    # A soft cap or a mask array: every step per key (no grouped softmax).
+    per_key = call is not None and (call.logits_soft_cap is not None
+                                    or call.mask is not None
+                                    or call.bias is not None)
+    if config.pv_dtype == "fp8_e4m3" and not per_key:
+      return MosaicTiling(block_kv=256, num_stages=2, schedule_exp=True)
+    return MosaicTiling(block_kv=128, num_stages=3)
   if (call is not None and call.dims[5] <= PERSISTENT_MAX_KEYS
       and ordered_tiles(call)):
     return MosaicTiling(block_kv=128, num_stages=2, persistent=True,
