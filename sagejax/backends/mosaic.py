@@ -87,9 +87,10 @@ def three_consumers_pay(queries: int) -> bool:
 def default_tiling(head_dim: int, config: SageConfig,
                    call: Optional[ParsedCall] = None) -> MosaicTiling:
   """Kernel tiles by head dim and P·V dtype (benchmarks/NOTES.md, Mosaic
-  section 5): at H=64 with FP8 P·V, 256-key steps with the consumers taking
-  turns around their exponentials (+10-12% over 128-key steps meeting
-  around the products); 16-bit P·V (``sage1``, the training forward) keeps
+  section 5): at H=64 with FP8 P·V, where the three-phase rule below does
+  not apply, 256-key steps with the consumers taking turns around their
+  exponentials (+10-12% over 128-key steps meeting around the products);
+  16-bit P·V (``sage1``, the training forward) keeps
   128-key steps (256 were not measured there). At H ≤ 128, a non-causal
   ``call`` of at least 2048 keys whose tiles all do the same work
   (:func:`ordered_tiles`) with FP8 P·V and grouped K scales (no soft cap,
