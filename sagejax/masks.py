@@ -61,8 +61,12 @@ class MaskSpec:
 
   def _diagonal(self, i: jax.Array, q_limit, kv_limit) -> jax.Array:
     """The key on query ``i``'s diagonal (see the module docstring)."""
+    return i + self._diagonal_offset(q_limit, kv_limit)
+
+  def _diagonal_offset(self, q_limit, kv_limit):
+    """Key minus query along the diagonal: 0 top-left, S − T bottom-right."""
     bottom_right = self.causal_alignment == "bottom_right"
-    return i + (kv_limit - q_limit if bottom_right else 0)
+    return kv_limit - q_limit if bottom_right else 0
 
   def visible_at(self, i: jax.Array, j: jax.Array, q_limit, kv_limit
                  ) -> jax.Array:
@@ -103,8 +107,7 @@ class MaskSpec:
     first = jnp.zeros_like(j)
     last = jnp.broadcast_to(q_limit - 1, j.shape).astype(j.dtype)
     if self.is_causal or self.window is not None:
-      bottom_right = self.causal_alignment == "bottom_right"
-      d = j - (kv_limit - q_limit if bottom_right else 0)  # j's diagonal
+      d = j - self._diagonal_offset(q_limit, kv_limit)  # j's query
       if self.is_causal:
         first = jnp.maximum(first, d)
       if self.window is not None:
