@@ -683,6 +683,41 @@ def test_long_calls_take_three_consumers(h):
   assert "mosaic_gpu" in text
 
 
+def _reduction_shape(tree, n: int) -> tuple[int, int, int, int]:
+  """(result, two-input ops, depth, ops feeding the very next op as its
+  first input) of ``tree(max, n values)``."""
+  made = []
+
+  class Node(int):
+    depth = 0
+
+  def op(a, b):
+    node = Node(max(a, b))
+    node.depth = 1 + max(getattr(a, "depth", 0), getattr(b, "depth", 0))
+    made.append((a, b, node))
+    return node
+
+  values = [int(x) for x in np.random.default_rng(n).permutation(1000)[:n]]
+  got = tree(op, values)
+  assert got == max(values)
+  fused = sum(made[i + 1][0] is made[i][2] for i in range(len(made) - 1))
+  return got, len(made), getattr(got, "depth", 0), fused
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 16, 17, 32])
+def test_tree3_takes_three_values_at_a_time(n):
+  """The grouped row maxima over INT32 sums nest their maxima as
+  op(op(a, b), c), which ptxas fuses into one VIMNMX3 (benchmarks/NOTES.md,
+  Mosaic section 44): n - 1 two-input ops, all but at most one a level
+  paired that way, two ops deep per level of three."""
+  levels = 0 if n == 1 else int(np.ceil(np.log(n) / np.log(3) - 1e-9))
+  _, ops, depth, fused = _reduction_shape(mosaic_attention._tree3, n)
+  assert ops == n - 1 and depth <= 2 * levels
+  assert fused >= (ops - levels) // 2
+  if n >= 16:  # the pairwise tree does not pair them so
+    assert _reduction_shape(mosaic_attention._tree, n)[3] < (ops - levels) // 2
+
+
 @pytest.mark.parametrize("block_kv", [64, 128, 192, 256])
 def test_group_key_scales_are_each_threads_maxima(block_kv):
   """Per KV step, lane class c = (key mod 8) // 2 and 64 keys: the maximum

@@ -35,7 +35,9 @@ With 16-bit P·V (``sage1``), V is ``[S, H]`` and P̃ is cast to V's dtype.
 
 The softmax's key scales and row sums work on registers where the K scale
 groups allow (:func:`grouped_logits`; the unmasked steps read each thread's
-scale per 64 keys from :func:`group_key_scales`, made before the kernel);
+scale per 64 keys from :func:`group_key_scales`, made before the kernel, and
+take their row maxima over the INT32 sums, three at a time: Hopper's
+three-input integer maximum, benchmarks/NOTES.md, section 44);
 ``MosaicTiling.overlap_qk`` issues the next step's Q·Kᵀ before the softmax
 (benchmarks/NOTES.md, section 4);
 ``MosaicTiling.schedule_exp`` makes the consumers alternate their
@@ -327,6 +329,19 @@ def _tree(op, values):
   return values[0]
 
 
+def _tree3(op, values):
+  """Like :func:`_tree`, three values at a time (``op(op(a, b), c)``):
+  ptxas makes each such pair of integer maxima one three-input
+  ``VIMNMX3`` (Hopper)."""
+  values = list(values)
+  while len(values) > 1:
+    triples = [op(op(values[i], values[i + 1]), values[i + 2])
+               for i in range(0, len(values) - 2, 3)]
+    rest = values[len(triples) * 3:]
+    values = triples + ([op(*rest)] if len(rest) == 2 else rest)
+  return values[0]
+
+
 def _element(v, i: int = 0):
   _, _, ir, _, vector = _mgpu()
   return vector.extract(v, dynamic_position=[],
@@ -456,28 +471,35 @@ def _row_array(values, rows: int):
 
 
 def grouped_logits(s: jax.Array, q_scale: jax.Array, k_scale,
-                   from_ref: bool = False) -> tuple[jax.Array, jax.Array]:
+                   from_ref: bool = False,
+                   sums: Optional[jax.Array] = None
+                   ) -> tuple[jax.Array, jax.Array]:
   """For f32 ``s [64, N]`` (WGMMA layout), ``q_scale [64]`` and a
   ``k_scale [N]`` whose keys share one value per thread within each 64 (see
   above): ``max over keys of s · k_scale`` per row (NaN propagates) and
   ``q_scale[row] · k_scale[key]`` as a ``[64, N]`` array holding four
   registers' worth of distinct values (no per-score multiply).
   ``from_ref``: ``k_scale`` is a shared-memory ref to the step's
-  :func:`group_key_scales` (``[N / 16]``) instead."""
+  :func:`group_key_scales` (``[N / 16]``) instead. ``sums``: the INT32
+  sums ``s`` was converted from (``[64, N]``, WGMMA layout): the maxima are
+  taken over them (integer maxima, not waiting for the conversion; the
+  same values, as every sum below 2**24 converts exactly)."""
   rows, n = s.shape
+  from_ints = sums is not None
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1),
                  plgpu.RefType() if from_ref
-                 else plgpu.Layout.WGMMA.reduce(0)),
+                 else plgpu.Layout.WGMMA.reduce(0),
+                 plgpu.Layout.WGMMA),
       return_type=(
           plgpu.ShapeDtypeStruct((rows,), jnp.float32,
                                  layout=plgpu.Layout.WGMMA.reduce(1)),
           plgpu.ShapeDtypeStruct((rows, n), jnp.float32,
                                  layout=plgpu.Layout.WGMMA)))
-  def grouped(_, s, q, k):
-    mgpu, fa, _, arith, _ = _mgpu()
-    s_regs = _wgmma_rows(s.registers)
+  def grouped(_, s, q, k, sums):
+    mgpu, fa, ir, arith, _ = _mgpu()
+    s_regs = _wgmma_rows((sums if from_ints else s).registers)
     q_vals = [_element(x, 0) for x in q.registers.reshape(2)]
     k_vals = (_thread_group_scales(k, n // 64) if from_ref
               else _thread_key_scales(k.registers))
@@ -485,8 +507,13 @@ def grouped_logits(s: jax.Array, q_scale: jax.Array, k_scale,
     for r in range(2):
       groups = []
       for g in range(0, s_regs.shape[0], 8):
-        v = _tree(arith.maximumf, [s_regs[i, r] for i in range(g, g + 8)])
-        x = arith.maximumf(_element(v, 0), _element(v, 1))
+        if from_ints:
+          x = _tree3(arith.maxsi, [_element(s_regs[i, r], e)
+                                   for i in range(g, g + 8) for e in (0, 1)])
+          x = arith.sitofp(ir.F32Type.get(), x)
+        else:
+          v = _tree(arith.maximumf, [s_regs[i, r] for i in range(g, g + 8)])
+          x = arith.maximumf(_element(v, 0), _element(v, 1))
         groups.append(arith.mulf(x, k_vals[g // 8]))
       row_max.append(_quad_reduce(arith.maximumf,
                                   _tree(arith.maximumf, groups)))
@@ -501,7 +528,7 @@ def grouped_logits(s: jax.Array, q_scale: jax.Array, k_scale,
                                   _is_signed=None)
     return _row_array(row_max, rows), scales
 
-  return grouped(s, q_scale, k_scale)
+  return grouped(s, q_scale, k_scale, s if sums is None else sums)
 
 
 def row_sum(p: jax.Array) -> jax.Array:
@@ -1095,7 +1122,7 @@ def attention_forward(
         return t
 
       def softmax(x, keys, j, masked: bool, m, l, *, scaled: bool = False,
-                  group_slot=None):
+                  group_slot=None, sums=None):
         """Online softmax of step ``j``: ``x`` holds the INT32 sums as f32
         (or, ``scaled``, the :func:`logits`); ``keys`` the
         ``key_vectors``. Returns (P·V operand, α broadcast to the output,
@@ -1108,7 +1135,8 @@ def attention_forward(
           if use_grouped:
             from_ref = group_slot is not None
             row_max, factors = grouped_logits(
-                x, qs, ksg_smem.at[group_slot] if from_ref else ks, from_ref)
+                x, qs, ksg_smem.at[group_slot] if from_ref else ks, from_ref,
+                sums=sums)
             if from_ref:  # the slot's grouped scales read: release it
               plgpu.barrier_arrive(k_free.at[group_slot])
             m_new = jnp.maximum(m, qs * row_max)
@@ -1178,7 +1206,7 @@ def attention_forward(
             keys = key_vectors(slot, release=not by_group)
           p_op, alpha_b, m_new, l = softmax(
               s_f, keys, j, masked, m, l,
-              group_slot=slot if by_group else None)
+              group_slot=slot if by_group else None, sums=s_int)
           scaled_first = not pv_two_level or pv_parts > 1  # in parts: α first
           if scaled_first:
             acc = tuple(a * alpha_b for a in acc)
