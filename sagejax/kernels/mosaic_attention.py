@@ -1124,7 +1124,8 @@ def attention_forward(
       def softmax(x, keys, j, masked: bool, m, l, *, scaled: bool = False,
                   group_slot=None, sums=None):
         """Online softmax of step ``j``: ``x`` holds the INT32 sums as f32
-        (or, ``scaled``, the :func:`logits`); ``keys`` the
+        (or, ``scaled``, the :func:`logits`; ``sums``: the INT32 sums
+        themselves, whose grouped row maxima are taken); ``keys`` the
         ``key_vectors``. Returns (P·V operand, α broadcast to the output,
         new max, new sum). ``group_slot``: the step's slot, whose grouped
         K scales (:func:`group_key_scales`) are read, and which is then
