@@ -9,15 +9,20 @@
 // Results: benchmarks/data/isa_probe_h200_s31.txt.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-// 32 values a thread, as a softmax row max would see them.
-extern "C" __global__ void imax32(const int* __restrict__ p, int* out){
-  int v[32];
+// 32 values a thread, as a softmax row max would see them: a running
+// maximum (max() is fmaxf for float).
+template <typename T>
+__device__ T running_max32(const T* __restrict__ p){
+  T v[32];
   #pragma unroll
   for (int i=0;i<32;i++) v[i]=p[threadIdx.x+i*128];
-  int m=v[0];
+  T m=v[0];
   #pragma unroll
   for (int i=1;i<32;i++) m=max(m,v[i]);
-  out[threadIdx.x]=m;
+  return m;
+}
+extern "C" __global__ void imax32(const int* __restrict__ p, int* out){
+  out[threadIdx.x]=running_max32(p);
 }
 extern "C" __global__ void imax32_tree3(const int* __restrict__ p, int* out){
   int v[33];
@@ -31,13 +36,7 @@ extern "C" __global__ void imax32_tree3(const int* __restrict__ p, int* out){
   out[threadIdx.x]=__vimax3_s32(__vimax3_s32(x0,x1,x2),w[9],w[10]);
 }
 extern "C" __global__ void fmax32(const float* __restrict__ p, float* out){
-  float v[32];
-  #pragma unroll
-  for (int i=0;i<32;i++) v[i]=p[threadIdx.x+i*128];
-  float m=v[0];
-  #pragma unroll
-  for (int i=1;i<32;i++) m=fmaxf(m,v[i]);
-  out[threadIdx.x]=m;
+  out[threadIdx.x]=running_max32(p);
 }
 extern "C" __global__ void i2f32(const int* __restrict__ p, float* out){
   float s=0;

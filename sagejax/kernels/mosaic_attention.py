@@ -470,36 +470,32 @@ def _row_array(values, rows: int):
                               _is_signed=None)
 
 
-def grouped_logits(s: jax.Array, q_scale: jax.Array, k_scale,
-                   from_ref: bool = False,
-                   sums: Optional[jax.Array] = None
-                   ) -> tuple[jax.Array, jax.Array]:
-  """For f32 ``s [64, N]`` (WGMMA layout), ``q_scale [64]`` and a
-  ``k_scale [N]`` whose keys share one value per thread within each 64 (see
-  above): ``max over keys of s · k_scale`` per row (NaN propagates) and
-  ``q_scale[row] · k_scale[key]`` as a ``[64, N]`` array holding four
-  registers' worth of distinct values (no per-score multiply).
+def grouped_logits(sums: jax.Array, q_scale: jax.Array, k_scale,
+                   from_ref: bool = False) -> tuple[jax.Array, jax.Array]:
+  """For the INT32 Q·Kᵀ sums ``sums [64, N]`` (WGMMA layout), ``q_scale
+  [64]`` and a ``k_scale [N]`` whose keys share one value per thread within
+  each 64 (see above): ``max over keys of sums · k_scale`` per row (NaN
+  propagates) and ``q_scale[row] · k_scale[key]`` as a ``[64, N]`` f32
+  array holding four registers' worth of distinct values (no per-score
+  multiply). The maxima are integer ones, three at a time (Hopper's
+  ``VIMNMX3``), not waiting for the sums' conversion to f32; the same
+  values, as every sum below 2**24 converts exactly.
   ``from_ref``: ``k_scale`` is a shared-memory ref to the step's
-  :func:`group_key_scales` (``[N / 16]``) instead. ``sums``: the INT32
-  sums ``s`` was converted from (``[64, N]``, WGMMA layout): the maxima are
-  taken over them (integer maxima, not waiting for the conversion; the
-  same values, as every sum below 2**24 converts exactly)."""
-  rows, n = s.shape
-  from_ints = sums is not None
+  :func:`group_key_scales` (``[N / 16]``) instead."""
+  rows, n = sums.shape
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1),
                  plgpu.RefType() if from_ref
-                 else plgpu.Layout.WGMMA.reduce(0),
-                 plgpu.Layout.WGMMA),
+                 else plgpu.Layout.WGMMA.reduce(0)),
       return_type=(
           plgpu.ShapeDtypeStruct((rows,), jnp.float32,
                                  layout=plgpu.Layout.WGMMA.reduce(1)),
           plgpu.ShapeDtypeStruct((rows, n), jnp.float32,
                                  layout=plgpu.Layout.WGMMA)))
-  def grouped(_, s, q, k, sums):
+  def grouped(_, sums, q, k):
     mgpu, fa, ir, arith, _ = _mgpu()
-    s_regs = _wgmma_rows((sums if from_ints else s).registers)
+    s_regs = _wgmma_rows(sums.registers)
     q_vals = [_element(x, 0) for x in q.registers.reshape(2)]
     k_vals = (_thread_group_scales(k, n // 64) if from_ref
               else _thread_key_scales(k.registers))
@@ -507,13 +503,9 @@ def grouped_logits(s: jax.Array, q_scale: jax.Array, k_scale,
     for r in range(2):
       groups = []
       for g in range(0, s_regs.shape[0], 8):
-        if from_ints:
-          x = _tree3(arith.maxsi, [_element(s_regs[i, r], e)
-                                   for i in range(g, g + 8) for e in (0, 1)])
-          x = arith.sitofp(ir.F32Type.get(), x)
-        else:
-          v = _tree(arith.maximumf, [s_regs[i, r] for i in range(g, g + 8)])
-          x = arith.maximumf(_element(v, 0), _element(v, 1))
+        x = _tree3(arith.maxsi, [_element(s_regs[i, r], e)
+                                 for i in range(g, g + 8) for e in (0, 1)])
+        x = arith.sitofp(ir.F32Type.get(), x)
         groups.append(arith.mulf(x, k_vals[g // 8]))
       row_max.append(_quad_reduce(arith.maximumf,
                                   _tree(arith.maximumf, groups)))
@@ -528,7 +520,7 @@ def grouped_logits(s: jax.Array, q_scale: jax.Array, k_scale,
                                   _is_signed=None)
     return _row_array(row_max, rows), scales
 
-  return grouped(s, q_scale, k_scale, s if sums is None else sums)
+  return grouped(sums, q_scale, k_scale)
 
 
 def row_sum(p: jax.Array) -> jax.Array:
@@ -1125,7 +1117,7 @@ def attention_forward(
                   group_slot=None, sums=None):
         """Online softmax of step ``j``: ``x`` holds the INT32 sums as f32
         (or, ``scaled``, the :func:`logits`; ``sums``: the INT32 sums
-        themselves, whose grouped row maxima are taken); ``keys`` the
+        themselves, which the grouped row maxima read); ``keys`` the
         ``key_vectors``. Returns (P·V operand, α broadcast to the output,
         new max, new sum). ``group_slot``: the step's slot, whose grouped
         K scales (:func:`group_key_scales`) are read, and which is then
@@ -1136,8 +1128,8 @@ def attention_forward(
           if use_grouped:
             from_ref = group_slot is not None
             row_max, factors = grouped_logits(
-                x, qs, ksg_smem.at[group_slot] if from_ref else ks, from_ref,
-                sums=sums)
+                sums, qs, ksg_smem.at[group_slot] if from_ref else ks,
+                from_ref)
             if from_ref:  # the slot's grouped scales read: release it
               plgpu.barrier_arrive(k_free.at[group_slot])
             m_new = jnp.maximum(m, qs * row_max)
