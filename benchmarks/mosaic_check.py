@@ -119,6 +119,8 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
       kw["persistent"] = bool(int(value))
     elif name == "ctas":  # with persist=1: the grid's CTAs
       kw["num_ctas"] = int(value)
+    elif name == "epi":  # persistent: epilogues overlapped by a split meeting
+      kw["overlap_epilogues"] = bool(int(value))
     elif name == "gks":  # unmasked steps' K scales grouped before the kernel
       kw["group_key_scales"] = bool(int(value))
     else:

@@ -461,6 +461,29 @@ def test_pipelining_variants_lower_for_cuda(tiling):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_overlapped_epilogues_lower_for_cuda(consumers):
+  """Persistent consumers taking turns meet once more per tile around its
+  epilogue (``overlap_epilogues``, the default); off, the kernel lowers
+  without that meeting (a different module; the same tiling lowers to the
+  same text twice)."""
+  q, k, v = _data(2, 200, 300, 4, 2, 128)
+  call = _inputs.parse(q, k, v)
+  config = PRESETS["sage2-8b"]
+  texts = []
+  for overlap in (True, False, True):
+    t = MosaicTiling(persistent=True, num_ctas=5, num_consumers=consumers,
+                     consumer_registers=240 if consumers == 2 else 160,
+                     producer_registers=24 if consumers == 2 else 32,
+                     schedule_exp=consumers == 3, overlap_epilogues=overlap)
+    f = lambda: mosaic.BACKEND.kernel(
+        mosaic.BACKEND.prepare(call, config, t), call, config, t)
+    texts.append(jax.jit(f).trace().lower(
+        lowering_platforms=("cuda",)).as_text())
+  assert all("mosaic_gpu" in x for x in texts)
+  assert texts[0] == texts[2] != texts[1]
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
 @pytest.mark.parametrize("window", [None, (5, 0), (3, 7), (0, 0)])

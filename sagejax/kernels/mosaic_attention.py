@@ -138,6 +138,11 @@ class MosaicTiling:
       reducing its per-key scales in every step (benchmarks/NOTES.md,
       Mosaic section 35: at 128 keys 46 fewer instructions a step and ~30
       registers); the masked steps still read per-key scales.
+    overlap_epilogues: persistent, taking turns: each consumer arrives at
+      one more meeting before a tile's epilogue and waits for it after,
+      so that the others finish their steps meanwhile (off: the turns
+      hold the other consumers while one stores its output, and the
+      consumers' epilogues run one after another).
     num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
       None: one per SM of the device seen when tracing (132, an H100's or
       H200's, without a GPU: a program exported from a CPU host for a GPU
@@ -160,6 +165,7 @@ class MosaicTiling:
   num_ctas: Optional[int] = None
   pv_part_cols: int = 128
   group_key_scales: bool = True
+  overlap_epilogues: bool = True
 
   def __post_init__(self):
     if self.persistent and self.overlap_qk:
@@ -1324,6 +1330,15 @@ def attention_forward(
         acc, m, l = run_steps(step, (acc, m, l))
       if base is None:
         answer_last_meetings()
+      # Persistent, taking turns: a meeting whose arrival comes before the
+      # epilogue and whose wait after it, so that the other consumers,
+      # staggered a meeting or two behind, finish their steps while this
+      # one stores its output (without it the turns serialize the
+      # consumers' epilogues: NOTES Mosaic section 47).
+      split_meeting = (base is not None and bool(meet_at)
+                       and tiling.overlap_epilogues)
+      if split_meeting:
+        plgpu.barrier_arrive(sched)
 
       rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
                                            layout=row_layout)
@@ -1364,6 +1379,8 @@ def attention_forward(
       if base is None:
         plgpu.wait_smem_to_gmem(0)
         return None
+      if split_meeting:
+        plgpu.barrier_wait(sched)
       return base + (bhi - blo)
 
     @pl.when(wg < nc)
