@@ -6,8 +6,9 @@
 Runs the kernel once with Mosaic GPU's on-device profiler
 (``attention_forward(profile_dir=)``: ``%clock`` stamps around the named
 regions of the consumer step — ``qk``, ``softmax`` (its phases nested),
-``wait_v``, ``pv`` (with ``wait_k`` inside), ``accumulate`` — and the
-producer's ``wait_*_free``) on
+``wait_v``, ``pv`` (with ``wait_k`` inside), ``accumulate``; once a query
+tile ``wait_q``, ``epilogue`` and, persistent with turns,
+``epilogue_meeting`` — and the producer's ``wait_*_free``) on
 a grid of about one wave, and prints the mean clocks per KV step of each
 region and warpgroup, beside the unprofiled kernel's time on the same shape
 (the stamps constrain ptxas's schedule, so the profiled step is slower).
@@ -34,13 +35,21 @@ from sagejax.bench import timing
 
 import mosaic_check  # noqa: E402  (benchmarks/ is the script's directory)
 
-WARPGROUPS = ("consumer 0", "consumer 1", "producer")
+# Regions entered once per query tile (persistent kernels: several a CTA).
+TILE_REGIONS = ("wait_q", "epilogue", "epilogue_meeting")
 
 
-def region_clocks(trace_path: str) -> dict:
-  """Per warpgroup role: mean clocks per CTA spent in each region (nested
-  regions counted in themselves and their parent), the mean CTA span, and
-  the number of region entries per CTA."""
+def roles(consumers: int) -> tuple[str, ...]:
+  """Warpgroup roles in thread order: the consumers, then the producer."""
+  return tuple(f"consumer {i}" for i in range(consumers)) + ("producer",)
+
+
+def region_clocks(trace_path: str, consumers: int = 2) -> dict:
+  """Per warpgroup role (``consumers`` consumer warpgroups and a producer
+  per CTA): mean clocks per CTA spent in each region (nested regions
+  counted in themselves and their parent), the mean CTA span, and the
+  number of region entries per CTA."""
+  names = roles(consumers)
   with open(trace_path) as f:
     events = json.load(f)["traceEvents"]
   per_tid = collections.defaultdict(list)
@@ -50,7 +59,7 @@ def region_clocks(trace_path: str) -> dict:
   counts = collections.defaultdict(lambda: collections.defaultdict(int))
   spans = collections.defaultdict(list)
   for tid, evs in per_tid.items():
-    role = WARPGROUPS[(tid - 1) % 3]
+    role = names[(tid - 1) % len(names)]
     stack = []
     for e in evs:  # in time order, ts in µs of %clock cycles (1e3 / µs)
       if e["ph"] == "B":
@@ -70,14 +79,14 @@ def region_clocks(trace_path: str) -> dict:
 
 def profile_case(shape, tiling_spec: str, key, cfg) -> dict:
   b, n, s, h, causal = shape
-  if tiling_spec:
-    tiling, config = mosaic_check.parse_variant(tiling_spec)
-  else:  # the backend's choice
-    config = PRESETS["sage2-8b"]
-    tiling = mosaic.default_tiling(h, config)
   q, k, v = testing.make_qkv(key, b, s, s, n, n, h, "normal", jnp.bfloat16,
                              "BTNH")
   call = _inputs.parse(q, k, v, is_causal=causal)
+  if tiling_spec:
+    tiling, config = mosaic_check.parse_variant(tiling_spec)
+  else:  # the backend's choice for this call
+    config = PRESETS["sage2-8b"]
+    tiling = mosaic.default_tiling(h, config, call)
   backend = mosaic.BACKEND
   prepared = jax.jit(lambda q, k, v: backend.prepare(
       _inputs.parse(q, k, v, is_causal=causal), config, tiling))(q, k, v)
@@ -95,7 +104,7 @@ def profile_case(shape, tiling_spec: str, key, cfg) -> dict:
     result["profiled_vs_plain_rel_l2"] = testing.error_metrics(
         out, ref)["rel_l2"]
     traces = sorted(glob.glob(os.path.join(d, "*-trace.json")))
-    result["warpgroups"] = region_clocks(traces[-1])
+    result["warpgroups"] = region_clocks(traces[-1], tiling.num_consumers)
   return result
 
 
@@ -137,6 +146,15 @@ def main():
       cells = [f"{per(d['regions'].get(nm, 0.0)):.0f}" for nm in names]
       print(f"| {r['shape']} | {r['tiling']} | {r['kernel_ms']:.3f} | "
             f"{role} | {per(d['span']):.0f} | " + " | ".join(cells) + " |")
+  print("\nclocks per entry of the per-tile regions (entries per CTA)")
+  print("| shape | tiling | wg | " + " | ".join(TILE_REGIONS) + " |")
+  for r in results:
+    for role, d in r["warpgroups"].items():
+      cells = [f"{d['regions'][nm] / d['entries'][nm]:.0f} "
+               f"({d['entries'][nm]:.1f})" if d["entries"].get(nm) else "-"
+               for nm in TILE_REGIONS]
+      print(f"| {r['shape']} | {r['tiling']} | {role} | "
+            + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -365,18 +365,22 @@ def test_module_entry_point_help():
   assert "accuracy" in res.stdout and "--quick" in res.stdout
 
 
-def test_kernel_profile_reads_nested_regions(tmp_path, monkeypatch):
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_kernel_profile_reads_nested_regions(tmp_path, monkeypatch,
+                                             consumers):
   """benchmarks/kernel_profile.py: clocks per region and warpgroup role from
   a Perfetto trace as Mosaic GPU's profiler writes it (ts in µs of clocks;
-  tid 1 + warpgroup + 3·CTA), nested regions counted in both."""
+  tid 1 + warpgroup + (consumers + 1)·CTA), nested regions counted in
+  both."""
   monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1]
                                   / "benchmarks"))
   import kernel_profile  # pylint: disable=import-outside-toplevel
+  regions = ([("qk", None)] * (consumers - 1) + [("pv", "wait_k"),
+                                                  ("wait_v_free", None)])
   events = []
   for cta in range(2):
-    for wg, (name, inner) in enumerate([("qk", None), ("pv", "wait_k"),
-                                        ("wait_v_free", None)]):
-      tid = 1 + wg + 3 * cta
+    for wg, (name, inner) in enumerate(regions):
+      tid = 1 + wg + (consumers + 1) * cta
       t0 = 10.0 * cta
       events.append(dict(name=name, ph="B", ts=t0, pid=1, tid=tid))
       if inner:
@@ -386,13 +390,15 @@ def test_kernel_profile_reads_nested_regions(tmp_path, monkeypatch):
                          tid=tid))
   path = tmp_path / "trace.json"
   path.write_text(json.dumps(dict(traceEvents=events)))
-  got = kernel_profile.region_clocks(str(path))
-  assert set(got) == {"consumer 0", "consumer 1", "producer"}
+  got = kernel_profile.region_clocks(str(path), consumers)
+  last = f"consumer {consumers - 1}"
+  assert set(got) == {f"consumer {i}" for i in range(consumers)} | {
+      "producer"}
   np.testing.assert_allclose(got["consumer 0"]["regions"]["qk"], 1500.0)
-  np.testing.assert_allclose(got["consumer 1"]["regions"]["pv"], 1500.0)
-  np.testing.assert_allclose(got["consumer 1"]["regions"]["wait_k"], 200.0)
+  np.testing.assert_allclose(got[last]["regions"]["pv"], 1500.0)
+  np.testing.assert_allclose(got[last]["regions"]["wait_k"], 200.0)
   np.testing.assert_allclose(got["producer"]["span"], 1500.0)
-  assert got["consumer 1"]["entries"] == {"pv": 1.0, "wait_k": 1.0}
+  assert got[last]["entries"] == {"pv": 1.0, "wait_k": 1.0}
 
 
 def test_mosaic_sass_finds_loops_and_the_ptx(monkeypatch):

@@ -1044,7 +1044,8 @@ def attention_forward(
         row0 = load_q(t, None)
       else:
         row0 = cta_first + wg * bq
-      plgpu.barrier_wait(q_barrier(buf))
+      with jax.named_scope("wait_q"):
+        plgpu.barrier_wait(q_barrier(buf))
       if quantize_q is not None:
         with jax.named_scope("quantize_q"):
           quantize_rows(row0)  # ends with a warpgroup barrier
@@ -1340,47 +1341,49 @@ def attention_forward(
       if split_meeting:
         plgpu.barrier_arrive(sched)
 
-      rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
-                                           layout=row_layout)
-      seen = (l != 0) & (rows < q_len)  # a NaN sum is seen (quant's rules)
-      inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-      out_rows = tile_rows(out_ref, out_layout, batch, head, row0, bq)
+      with jax.named_scope("epilogue"):
+        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
+                                             layout=row_layout)
+        seen = (l != 0) & (rows < q_len)  # a NaN sum is seen (quant's rules)
+        inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        out_rows = tile_rows(out_ref, out_layout, batch, head, row0, bq)
 
-      def columns(ref, part):  # a part's columns of a [..., H] ref
-        return ref if pv_parts == 1 else ref.at[..., pl.ds(part * pv_cols,
-                                                           pv_cols)]
+        def columns(ref, part):  # a part's columns of a [..., H] ref
+          return ref if pv_parts == 1 else ref.at[..., pl.ds(part * pv_cols,
+                                                             pv_cols)]
 
-      for part, a in enumerate(acc):
-        vs = load_all(columns(mine(vs_smem, buf), part), col_layout)
-        out = (a * lax.broadcast_in_dim(inv_l, (bq, pv_cols), [0])
-               * lax.broadcast_in_dim(vs, (bq, pv_cols), [1]))
-        if vm_ref is not None:
-          vm = load_all(columns(mine(vm_smem, buf), part), col_layout)
-          out = jnp.where(lax.broadcast_in_dim(seen, (bq, pv_cols), [0]),
-                          out + lax.broadcast_in_dim(vm, (bq, pv_cols), [1]),
-                          0.0)
-        if base is not None or part:  # the last store is out of o_smem
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_smem.at[wg][...] = out.astype(out_dtype)
-        if part < pv_parts - 1:
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem.at[wg], columns(out_rows, part))
-      p_shift = _LOG2_P_SCALE if fp8 else 0.0
-      lse = (m + jnp.log2(jnp.where(seen, l, 1.0)) - p_shift) * quant.LN2
-      lse_smem.at[wg][...] = jnp.where(seen, lse, -jnp.inf)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem.at[wg],
-                              columns(out_rows, pv_parts - 1))
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                              lse_ref.at[batch, head, pl.ds(row0, bq)])
-      if shift_ref is not None:  # the row shifts quantize_rows left there
-        plgpu.copy_smem_to_gmem(mine(shift_smem, buf),
-                                shift_ref.at[batch, head, pl.ds(row0, bq)])
+        for part, a in enumerate(acc):
+          vs = load_all(columns(mine(vs_smem, buf), part), col_layout)
+          out = (a * lax.broadcast_in_dim(inv_l, (bq, pv_cols), [0])
+                 * lax.broadcast_in_dim(vs, (bq, pv_cols), [1]))
+          if vm_ref is not None:
+            vm = load_all(columns(mine(vm_smem, buf), part), col_layout)
+            out = jnp.where(lax.broadcast_in_dim(seen, (bq, pv_cols), [0]),
+                            out + lax.broadcast_in_dim(vm, (bq, pv_cols), [1]),
+                            0.0)
+          if base is not None or part:  # the last store is out of o_smem
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          o_smem.at[wg][...] = out.astype(out_dtype)
+          if part < pv_parts - 1:
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], columns(out_rows, part))
+        p_shift = _LOG2_P_SCALE if fp8 else 0.0
+        lse = (m + jnp.log2(jnp.where(seen, l, 1.0)) - p_shift) * quant.LN2
+        lse_smem.at[wg][...] = jnp.where(seen, lse, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg],
+                                columns(out_rows, pv_parts - 1))
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                lse_ref.at[batch, head, pl.ds(row0, bq)])
+        if shift_ref is not None:  # the row shifts quantize_rows left there
+          plgpu.copy_smem_to_gmem(mine(shift_smem, buf),
+                                  shift_ref.at[batch, head, pl.ds(row0, bq)])
       if base is None:
         plgpu.wait_smem_to_gmem(0)
         return None
       if split_meeting:
-        plgpu.barrier_wait(sched)
+        with jax.named_scope("epilogue_meeting"):
+          plgpu.barrier_wait(sched)
       return base + (bhi - blo)
 
     @pl.when(wg < nc)
@@ -1544,10 +1547,11 @@ def attention_forward(
     out_shape = (b, n, t_rows, h)
   if persistent:
     grid, grid_names = (num_ctas,), ("ctas",)
-    profile_steps = num_kv_blocks * -(-num_tiles // num_ctas)
+    profile_tiles = -(-num_tiles // num_ctas)
+    profile_steps = num_kv_blocks * profile_tiles
   else:
     grid, grid_names = (n, num_q_tiles, b), ("heads", "q_tiles", "batch")
-    profile_steps = num_kv_blocks
+    profile_tiles, profile_steps = 1, num_kv_blocks
   rows = jax.ShapeDtypeStruct((b, n, t_rows), jnp.float32)
   out, lse, *shift = plgpu.kernel(
       entry,
@@ -1558,7 +1562,8 @@ def attention_forward(
       num_threads=nc + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
-          approx_math=True, **_profile_params(profile_dir, profile_steps)),
+          approx_math=True, **_profile_params(profile_dir, profile_steps,
+                                                  profile_tiles)),
   )(*(inputs[name] for name in names))
   if t_rows != t_pad:
     lse, shift = lse[:, :, :t_pad], [x[:, :, :t_pad] for x in shift]
@@ -1570,9 +1575,12 @@ def attention_forward(
   return (out, lse, smoothed_lse) if return_smoothed_lse else (out, lse)
 
 
-def _profile_params(profile_dir: Optional[str], num_kv_blocks: int) -> dict:
+def _profile_params(profile_dir: Optional[str], num_kv_blocks: int,
+                    num_tiles: int = 1) -> dict:
   """CompilerParams fields of Mosaic GPU's on-device profiler: room for
-  twelve regions per KV step and warpgroup."""
+  twelve regions per KV step and four per query tile (``wait_q``,
+  ``quantize_q``, ``epilogue``, ``epilogue_meeting``), per warpgroup."""
   if not profile_dir:
     return {}
-  return dict(profile_space=12 * num_kv_blocks + 16, profile_dir=profile_dir)
+  return dict(profile_space=12 * num_kv_blocks + 4 * num_tiles + 16,
+              profile_dir=profile_dir)
