@@ -39,17 +39,12 @@ import mosaic_check  # noqa: E402  (benchmarks/ is the script's directory)
 TILE_REGIONS = ("wait_q", "epilogue", "epilogue_meeting")
 
 
-def roles(consumers: int) -> tuple[str, ...]:
-  """Warpgroup roles in thread order: the consumers, then the producer."""
-  return tuple(f"consumer {i}" for i in range(consumers)) + ("producer",)
-
-
 def region_clocks(trace_path: str, consumers: int = 2) -> dict:
   """Per warpgroup role (``consumers`` consumer warpgroups and a producer
   per CTA): mean clocks per CTA spent in each region (nested regions
   counted in themselves and their parent), the mean CTA span, and the
   number of region entries per CTA."""
-  names = roles(consumers)
+  names = [f"consumer {i}" for i in range(consumers)] + ["producer"]
   with open(trace_path) as f:
     events = json.load(f)["traceEvents"]
   per_tid = collections.defaultdict(list)

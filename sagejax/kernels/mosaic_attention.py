@@ -1547,11 +1547,10 @@ def attention_forward(
     out_shape = (b, n, t_rows, h)
   if persistent:
     grid, grid_names = (num_ctas,), ("ctas",)
-    profile_tiles = -(-num_tiles // num_ctas)
-    profile_steps = num_kv_blocks * profile_tiles
+    profile_tiles = -(-num_tiles // num_ctas)  # a CTA's query tiles
   else:
     grid, grid_names = (n, num_q_tiles, b), ("heads", "q_tiles", "batch")
-    profile_tiles, profile_steps = 1, num_kv_blocks
+    profile_tiles = 1
   rows = jax.ShapeDtypeStruct((b, n, t_rows), jnp.float32)
   out, lse, *shift = plgpu.kernel(
       entry,
@@ -1562,7 +1561,7 @@ def attention_forward(
       num_threads=nc + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
-          approx_math=True, **_profile_params(profile_dir, profile_steps,
+          approx_math=True, **_profile_params(profile_dir, num_kv_blocks,
                                                   profile_tiles)),
   )(*(inputs[name] for name in names))
   if t_rows != t_pad:
@@ -1576,11 +1575,12 @@ def attention_forward(
 
 
 def _profile_params(profile_dir: Optional[str], num_kv_blocks: int,
-                    num_tiles: int = 1) -> dict:
-  """CompilerParams fields of Mosaic GPU's on-device profiler: room for
-  twelve regions per KV step and four per query tile (``wait_q``,
-  ``quantize_q``, ``epilogue``, ``epilogue_meeting``), per warpgroup."""
+                    num_tiles: int) -> dict:
+  """CompilerParams fields of Mosaic GPU's on-device profiler for a CTA of
+  ``num_tiles`` query tiles of ``num_kv_blocks`` steps: room for twelve
+  regions per KV step and four per tile (``wait_q``, ``quantize_q``,
+  ``epilogue``, ``epilogue_meeting``), per warpgroup."""
   if not profile_dir:
     return {}
-  return dict(profile_space=12 * num_kv_blocks + 4 * num_tiles + 16,
+  return dict(profile_space=(12 * num_kv_blocks + 4) * num_tiles + 16,
               profile_dir=profile_dir)
