@@ -532,6 +532,21 @@ def test_persistent_schedule_takes_every_tile_once(b, n, num_q_tiles,
       1, n, num_q_tiles)) == ((0, 1, 0) if num_q_tiles > 1 else (1, 0, 0))
 
 
+def _snake_deal(num_tiles: int, num_ctas: int):
+  """Every persistent CTA's i-th tile index dealt back and forth, at once
+  (the functions are elementwise jnp): ``[CTAs, most tiles]`` indices and
+  the mask of those each CTA takes."""
+  num_ctas = min(num_ctas, num_tiles)
+  cta = jnp.arange(num_ctas, dtype=jnp.int32)
+  counts = np.asarray(mosaic_attention.persistent_tiles(
+      cta, num_tiles, num_ctas, snake=True))
+  i = jnp.arange(int(counts.max()), dtype=jnp.int32)
+  index = mosaic_attention.persistent_index(cta[:, None], i[None, :],
+                                            num_ctas, snake=True)
+  taken = np.arange(index.shape[1])[None, :] < counts[:, None]
+  return np.asarray(index), taken
+
+
 @pytest.mark.parametrize("b,n,num_q_tiles,num_ctas", [
     (2, 4, 6, 5), (2, 4, 6, 7), (2, 32, 32, 132), (4, 32, 128, 132),
     (1, 3, 1, 132), (2, 3, 21, 11)])
@@ -542,19 +557,9 @@ def test_snake_schedule_takes_every_tile_once_and_evens_out_causal_work(
   blocks (rank r of T tiles holds T − r under a causal mask) within a
   tile's work of the others'."""
   group = mosaic_attention.RANK_GROUP
-  num_tiles = b * n * num_q_tiles
-  num_ctas = min(num_ctas, num_tiles)
-  # Every CTA's i-th tile at once (the functions are elementwise jnp).
-  cta = jnp.arange(num_ctas, dtype=jnp.int32)
-  counts = np.asarray(mosaic_attention.persistent_tiles(
-      cta, num_tiles, num_ctas, snake=True))
-  i = jnp.arange(int(counts.max()), dtype=jnp.int32)
-  index = mosaic_attention.persistent_index(cta[:, None], i[None, :],
-                                            num_ctas, snake=True)
+  index, taken = _snake_deal(b * n * num_q_tiles, num_ctas)
   head, rank, batch = (np.asarray(x) for x in mosaic_attention.ranked_tile(
       index, n, b, num_q_tiles))
-  index = np.asarray(index)
-  taken = np.arange(index.shape[1])[None, :] < counts[:, None]
   assert np.all((rank // group == index // (group * n * b))[taken])
   seen = sorted(zip(batch[taken].tolist(), head[taken].tolist(),
                     rank[taken].tolist()))
@@ -562,6 +567,57 @@ def test_snake_schedule_takes_every_tile_once_and_evens_out_causal_work(
                   for tt in range(num_q_tiles)]
   work = np.where(taken, num_q_tiles - rank, 0).sum(axis=1)
   assert work.max() - work.min() <= num_q_tiles, (work.min(), work.max())
+
+
+@pytest.mark.parametrize("b,n,num_q_tiles,num_ctas", [
+    (4, 32, 22, 132), (4, 32, 86, 132), (2, 3, 5, 7), (1, 2, 2, 3)])
+def test_partial_last_schedule_takes_every_tile_once_and_evens_out_work(
+    b, n, num_q_tiles, num_ctas):
+  """Non-causal persistent tiles whose last query tile is partial: every
+  (head, query tile, batch) once, the full tiles first, query tiles
+  fastest, and dealt back and forth so that, with a partial tile costing
+  more than half a full one, no CTA carries more than the ceiling of the
+  full tiles' share plus one partial tile's worth."""
+  index, taken = _snake_deal(b * n * num_q_tiles, num_ctas)
+  head, qt, batch = (np.asarray(x) for x in mosaic_attention.partial_last_tile(
+      index, n, b, num_q_tiles))
+  seen = sorted(zip(batch[taken].tolist(), head[taken].tolist(),
+                    qt[taken].tolist()))
+  assert seen == [(bb, hh, tt) for bb in range(b) for hh in range(n)
+                  for tt in range(num_q_tiles)]
+  last = qt == num_q_tiles - 1
+  assert np.all(index[taken & last] >= (num_q_tiles - 1) * n * b)
+  assert tuple(int(x) for x in mosaic_attention.partial_last_tile(
+      jnp.int32(1), n, b, num_q_tiles)) == (
+          (0, 1, 0) if num_q_tiles > 2 else (1, 0, 0))
+  full = np.where(taken & ~last, 1, 0).sum(axis=1)
+  partial = np.where(taken & last, 1, 0).sum(axis=1)
+  share = -(-(num_q_tiles - 1) * n * b // num_ctas)
+  for cost in (0.6, 0.9):
+    assert (full + cost * partial).max() <= share + cost + 1e-9
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_idle_consumers_lower_for_cuda(causal):
+  """Without a causal mask, consumers whose rows all lie past the query
+  length skip their steps' work (``skip_idle_rows``, the default): the
+  kernel lowers to another module than with it off; under a causal mask
+  the switch changes nothing (the same module)."""
+  q, k, v = _data(2, 200, 300, 4, 2, 128)
+  call = _inputs.parse(q, k, v, is_causal=causal,
+                       query_seq_lengths=jnp.array([200, 70]))
+  config = PRESETS["sage2-8b"]
+  texts = []
+  for skip in (True, False):
+    t = MosaicTiling(persistent=True, num_ctas=5, num_consumers=3,
+                     consumer_registers=160, producer_registers=32,
+                     schedule_exp=True, skip_idle_rows=skip)
+    f = lambda: mosaic.BACKEND.kernel(
+        mosaic.BACKEND.prepare(call, config, t), call, config, t)
+    texts.append(jax.jit(f).trace().lower(
+        lowering_platforms=("cuda",)).as_text())
+  assert all("mosaic_gpu" in x for x in texts)
+  assert (texts[0] == texts[1]) == causal
 
 
 @pytest.mark.parametrize("layout,lengths,dtype,want", [
@@ -1192,18 +1248,19 @@ KERNEL_TILINGS = {
 ONE_LEVEL_PV = {"three_consumers_bkv64_one_level": 1e-2}
 
 
-def _kernel_case(config, shape, kind, window):
+def _kernel_case(config, shape, kind, window, q_lengths=None):
   """Quantized inputs of ``shape`` (B, T, S, N, K, H; f32, BNTH), a mask
-  (causal; or a window with lengths a few tokens short), the "xla"
-  arithmetic's output and LSE on them, and V in the kernel's layout:
-  ``(qkv, spec, lengths, want, want_lse, v_t)``."""
+  (causal; or a window with lengths a few tokens short, the query lengths
+  ``q_lengths`` if given), the "xla" arithmetic's output and LSE on them,
+  and V in the kernel's layout: ``(qkv, spec, lengths, want, want_lse,
+  v_t)``."""
   b, t, s, n, kh, h = shape
   q, k, v = _data(b, t, s, n, kh, h, kind=kind, layout="BNTH",
                   dtype=jnp.float32)
   qkv = quant.quantize(q, k, v, config, h ** -0.5)
   if window:
     spec = MaskSpec(False, "top_left", (300, 40), t, s)
-    lengths = (jnp.array([t, t - 37], jnp.int32),
+    lengths = (jnp.array(q_lengths or [t, t - 37], jnp.int32),
                jnp.array([s - 5, s - 300], jnp.int32))
   else:
     spec = MaskSpec(True, "top_left", None, t, s)
@@ -1219,7 +1276,8 @@ def _valid_rows(lengths, t, *arrays):
   """Outputs (``[B, N, T, H]``, then LSEs ``[B, N, T]``) with rows past
   the query lengths set to 0 (−inf for an LSE)."""
   rows = np.arange(t)[None, None, :] < np.asarray(lengths[0])[:, None, None]
-  return [np.where(rows[..., None], np.asarray(x, np.float32), 0)
+  arrays = [np.asarray(x)[:, :, :t] for x in arrays]  # past T: padding
+  return [np.where(rows[..., None], x.astype(np.float32), 0)
           if x.ndim == 4 else np.where(rows, x, -np.inf) for x in arrays]
 
 
@@ -1235,15 +1293,17 @@ H64_KERNEL_TILINGS = {
 
 
 def _check_kernel_alone(tiling: MosaicTiling, window: bool, h: int,
-                        bound: float = 5e-3, two_level: bool = True):
+                        bound: float = 5e-3, two_level: bool = True,
+                        t: int = 768, q_lengths=None):
   """Same quantized inputs (quant.py's, V reordered and transposed) → the
   compiled kernel under ``tiling`` == the "xla" arithmetic on them (causal;
-  or a window with lengths a few tokens short): rel_l2 < ``bound``, LSE
-  within 1e-2."""
+  or a window with lengths a few tokens short, or ``q_lengths``): rel_l2 <
+  ``bound``, LSE within 1e-2. ``t`` = 768: 6 CTAs of 2 consumers or 4 of
+  3."""
   config = PRESETS["sage2-8b"]
-  b, t, s, n, kh = 2, 768, 768, 4, 2  # T: 6 CTAs of 2 or 4 of 3
+  b, s, n, kh = 2, 768, 4, 2
   qkv, spec, lengths, want, want_lse, v_t = _kernel_case(
-      config, (b, t, s, n, kh, h), "channel_bias", window)
+      config, (b, t, s, n, kh, h), "channel_bias", window, q_lengths)
   testing.poison_device_memory(b * n * t * h * 4 * 4)
   got, got_lse = jax.jit(lambda *a: mosaic_attention.attention_forward(
       *a, spec, q_lengths=lengths[0], kv_lengths=lengths[1],
@@ -1267,6 +1327,21 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
   _check_kernel_alone(KERNEL_TILINGS[tiling], window, 128,
                       ONE_LEVEL_PV.get(tiling, 5e-3),
                       two_level=tiling not in ONE_LEVEL_PV)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("h", [64, 128])
+def test_gpu_idle_consumers_match_xla_arithmetic(skip, h):
+  """Three persistent consumers with idle ones (``skip_idle_rows``): each
+  head's last tile of T = 832 holds 64 rows (two idle consumers), and the
+  second batch's 300 rows leave whole tiles idle; the valid rows'
+  outputs and LSEs == the "xla" arithmetic's (non-causal, windowed)."""
+  tiling = MosaicTiling(persistent=True, num_ctas=5, num_consumers=3,
+                        consumer_registers=160, producer_registers=32,
+                        schedule_exp=True, skip_idle_rows=skip)
+  _check_kernel_alone(tiling, True, h, t=832, q_lengths=[832, 300])
 
 
 @gpu

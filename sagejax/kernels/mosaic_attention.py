@@ -143,6 +143,15 @@ class MosaicTiling:
       so that the consumer a meeting behind finishes its tile meanwhile
       (off: the turns hold the others while one stores its output).
       Pays with two consumers; three in lockstep gain nothing from it.
+    skip_idle_rows: without a causal mask, a consumer whose query rows all
+      lie past the query length (a CTA's last tile reaching past T, or a
+      batch's shorter length) skips its steps' work, keeping their barrier
+      operations, and writes zeros; a persistent grid whose last query
+      tile of each head is partial deals those tiles after all full ones,
+      back and forth (:func:`partial_last_tile`), so that the CTAs that
+      take two cheaper tiles are not those that take one more full one
+      (kernel +0.5-0.7% at 4k and 16k, H=64 and 128; benchmarks/NOTES.md,
+      Mosaic section 48). Not with ``overlap_qk``.
     num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
       None: one per SM of the device seen when tracing (132, an H100's or
       H200's, without a GPU: a program exported from a CPU host for a GPU
@@ -166,6 +175,7 @@ class MosaicTiling:
   pv_part_cols: int = 128
   group_key_scales: bool = True
   overlap_epilogues: bool = True
+  skip_idle_rows: bool = True
 
   def __post_init__(self):
     if self.persistent and self.overlap_qk:
@@ -655,6 +665,22 @@ def persistent_tile(index, num_heads: int, num_q_tiles: int):
   return head, qt, batch
 
 
+def partial_last_tile(index, num_heads: int, batch_size: int,
+                      num_q_tiles: int):
+  """(head, query tile, batch) of tile ``index`` with each head's last
+  (partial) query tile after every full one: the full tiles as
+  :func:`persistent_tile` orders them, then the last tiles, heads fastest.
+  ``num_q_tiles`` >= 2."""
+  full = num_q_tiles - 1
+  first_last = jnp.int32(full * num_heads * batch_size)
+  in_last = index >= first_last
+  pair = jnp.where(in_last, index - first_last,
+                   lax.div(index, jnp.int32(full)))
+  qt = jnp.where(in_last, jnp.int32(full), lax.rem(index, jnp.int32(full)))
+  return (lax.rem(pair, jnp.int32(num_heads)), qt,
+          lax.div(pair, jnp.int32(num_heads)))
+
+
 RANK_GROUP = 8  # query tiles of one head taken side by side (ranked_tile)
 
 
@@ -872,6 +898,15 @@ def attention_forward(
   persistent = tiling.persistent
   num_tiles = n * num_q_tiles * b
   num_ctas = min(num_tiles, tiling.num_ctas or sm_count())
+  # Idle consumers skip their work (not causal: there the heaviest tiles,
+  # dealt first, are the partial ones, and the kernel measured 2% slower
+  # at 16k: benchmarks/NOTES.md, Mosaic section 48).
+  skip_idle = (tiling.skip_idle_rows and not tiling.overlap_qk
+               and not spec.is_causal)
+  # Each head's last query tile has idle consumers: those tiles cost less,
+  # so they go last, dealt back and forth.
+  partial_last = (persistent and skip_idle and num_q_tiles > 1
+                  and t_pad % rows_cta != 0)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   pv_dtype = v.dtype
@@ -912,12 +947,14 @@ def attention_forward(
       wg = lax.axis_index("wg")
       cta = lax.axis_index("ctas")
       # Causal tiles differ in work: heaviest first, dealt back and forth.
-      snake = spec.is_causal
+      snake = spec.is_causal or partial_last
       my_tiles = persistent_tiles(cta, num_tiles, num_ctas, snake)
 
       def tile_of(i):
         index = persistent_index(cta, i, num_ctas, snake)
-        if snake:
+        if partial_last:
+          head, qt, batch = partial_last_tile(index, n, b, num_q_tiles)
+        elif snake:
           head, qt, batch = ranked_tile(index, n, b, num_q_tiles,
                                         RANK_GROUP)
         else:
@@ -1297,14 +1334,42 @@ def attention_forward(
         plgpu.barrier_arrive(v_free.at[slot])
         return (acc,), m_new, l
 
+      # An idle consumer (skip_idle: all its rows past the query length)
+      # runs no step's work. Its steps keep every barrier operation of a
+      # step, in order: the meetings and the slots' releases that the
+      # barriers count, and the waits for K and V, which also keep this
+      # thread's record of each barrier's phase (Mosaic GPU flips a parity
+      # bit per wait) and hold it behind the producer.
+      idle = (row0 >= q_len) if skip_idle else None
+      work = ((lambda x: x) if idle is None
+              else (lambda x: jnp.where(idle, blo, x)))
+
+      def idle_step(j, carry):
+        slot = slot_of(j)
+        meet("step")
+        meet("products")
+        plgpu.barrier_arrive(k_free.at[slot])
+        meet("exp")
+        meet("exp")
+        wait_for_v(slot)
+
+        @pl.when(j + 1 < bhi)
+        def _():
+          plgpu.barrier_wait(k_bar.at[slot_of(j + 1)])
+
+        plgpu.barrier_arrive(v_free.at[slot])
+        return carry
+
       def run_steps(step_fn, carry):
         masked = functools.partial(step_fn, masked=True)
+        if idle is not None:
+          lax.fori_loop(blo, jnp.where(idle, bhi, blo), idle_step, 0)
         if pair_ref is not None:  # a mask or bias array: any step, masked
-          return lax.fori_loop(blo, bhi, masked, carry)
-        carry = lax.fori_loop(blo, fblo, masked, carry)
-        carry = lax.fori_loop(fblo, fbhi,
+          return lax.fori_loop(blo, work(bhi), masked, carry)
+        carry = lax.fori_loop(blo, work(fblo), masked, carry)
+        carry = lax.fori_loop(work(fblo), work(fbhi),
                               functools.partial(step_fn, masked=False), carry)
-        return lax.fori_loop(fbhi, bhi, masked, carry)
+        return lax.fori_loop(work(fbhi), work(bhi), masked, carry)
 
       if tiling.overlap_qk:
         stagger()
