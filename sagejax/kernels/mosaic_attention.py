@@ -150,7 +150,7 @@ class MosaicTiling:
       tile of each head is partial deals those tiles after all full ones,
       back and forth (:func:`partial_last_tile`), so that the CTAs that
       take two cheaper tiles are not those that take one more full one
-      (kernel +0.5-0.7% at 4k and 16k, H=64 and 128; benchmarks/NOTES.md,
+      (kernel +0.6-0.8% at 4k and 16k, H=64 and 128; benchmarks/NOTES.md,
       Mosaic section 48). Not with ``overlap_qk``.
     num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
       None: one per SM of the device seen when tracing (132, an H100's or
