@@ -11,8 +11,9 @@ tile ``wait_q``, ``epilogue`` and, persistent with turns,
 ``epilogue_meeting`` — and the producer's ``wait_*_free``) on
 a grid of about one wave, and prints the mean clocks per KV step of each
 region and warpgroup, beside the unprofiled kernel's time on the same shape
-(the stamps constrain ptxas's schedule, so the profiled step is slower).
-Writes ``kernel_profile.json`` under ``--out``.
+(the stamps constrain ptxas's schedule, so the profiled step is slower),
+and each consumer's step period by position in its query tile. Writes
+``kernel_profile.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,28 @@ def region_clocks(trace_path: str, consumers: int = 2) -> dict:
           for role, regs in totals.items()}
 
 
+def step_periods(trace_path: str, consumers: int, steps: int) -> dict:
+  """Per consumer role: the mean clocks from one KV step's ``qk`` stamp to
+  the next, by the later step's position in its query tile (``steps`` a
+  tile; position 0 spans a tile end: the epilogue and the next tile's
+  start). Persistent grids with several tiles a CTA show what a tile end
+  costs beside a steady step (benchmarks/NOTES.md, Mosaic section 48)."""
+  with open(trace_path) as f:
+    events = json.load(f)["traceEvents"]
+  starts = collections.defaultdict(list)
+  for e in events:
+    if e["name"] == "qk" and e["ph"] == "B":
+      starts[e["tid"]].append(e["ts"] * 1e3)
+  periods = collections.defaultdict(lambda: collections.defaultdict(list))
+  for tid, ts in starts.items():
+    wg = (tid - 1) % (consumers + 1)
+    for i in range(1, len(ts)):
+      periods[f"consumer {wg}"][i % steps].append(ts[i] - ts[i - 1])
+  return {role: [float(np.mean(by[p])) if by[p] else None
+                 for p in range(steps)]
+          for role, by in sorted(periods.items())}
+
+
 def profile_case(shape, tiling_spec: str, key, cfg) -> dict:
   b, n, s, h, causal = shape
   q, k, v = testing.make_qkv(key, b, s, s, n, n, h, "normal", jnp.bfloat16,
@@ -100,6 +123,8 @@ def profile_case(shape, tiling_spec: str, key, cfg) -> dict:
         out, ref)["rel_l2"]
     traces = sorted(glob.glob(os.path.join(d, "*-trace.json")))
     result["warpgroups"] = region_clocks(traces[-1], tiling.num_consumers)
+    result["step_period_by_position"] = step_periods(
+        traces[-1], tiling.num_consumers, steps)
   return result
 
 
@@ -141,6 +166,12 @@ def main():
       cells = [f"{per(d['regions'].get(nm, 0.0)):.0f}" for nm in names]
       print(f"| {r['shape']} | {r['tiling']} | {r['kernel_ms']:.3f} | "
             f"{role} | {per(d['span']):.0f} | " + " | ".join(cells) + " |")
+  print("\nclocks from a step's qk to the next, by position in the tile "
+        "(0: across a tile end; persistent grids with several tiles a CTA)")
+  for r in results:
+    for role, per_pos in r["step_period_by_position"].items():
+      cells = " ".join("-" if x is None else f"{x:.0f}" for x in per_pos)
+      print(f"| {r['shape']} | {r['tiling']} | {role} | {cells} |")
   print("\nclocks per entry of the per-tile regions (entries per CTA)")
   print("| shape | tiling | wg | " + " | ".join(TILE_REGIONS) + " |")
   for r in results:

@@ -401,6 +401,46 @@ def test_kernel_profile_reads_nested_regions(tmp_path, monkeypatch,
   assert got[last]["entries"] == {"pv": 1.0, "wait_k": 1.0}
 
 
+def test_kernel_profile_step_periods_by_position(tmp_path, monkeypatch):
+  """benchmarks/kernel_profile.py: each consumer's clocks from one ``qk``
+  stamp to the next, by the later step's position in its tile (0 spans a
+  tile end), over CTAs; the producer's stamps ignored."""
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1]
+                                  / "benchmarks"))
+  import kernel_profile  # pylint: disable=import-outside-toplevel
+  consumers, steps = 3, 4
+  events = []
+  for cta in range(2):
+    for wg in range(consumers + 1):
+      tid = 1 + wg + (consumers + 1) * cta
+      name = "qk" if wg < consumers else "wait_k_free"
+      t = 0.0
+      for i in range(3 * steps):  # three tiles; a tile end costs 5 more
+        t += (6.0 if i % steps == 0 and i else 1.0) * (1 + wg)
+        events.append(dict(name=name, ph="B", ts=t, pid=1, tid=tid))
+        events.append(dict(name=name, ph="E", ts=t + 0.5, pid=1, tid=tid))
+  path = tmp_path / "trace.json"
+  path.write_text(json.dumps(dict(traceEvents=events)))
+  got = kernel_profile.step_periods(str(path), consumers, steps)
+  assert set(got) == {f"consumer {i}" for i in range(consumers)}
+  for wg in range(consumers):
+    np.testing.assert_allclose(got[f"consumer {wg}"],
+                               [6000.0 * (1 + wg)] + [1000.0 * (1 + wg)] * 3)
+
+
+def test_tile_overhead_fits_steps_and_intercept(monkeypatch):
+  """benchmarks/tile_overhead.py: a line through kernel times over key
+  lengths gives µs per KV step of all tiles and the intercept (§47's
+  default at T = 4096: 36.5 µs a step, 100 µs)."""
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1]
+                                  / "benchmarks"))
+  import tile_overhead  # pylint: disable=import-outside-toplevel
+  lengths = [2048, 4096, 8192, 16384]
+  ms = [0.1 + 0.0365 * s / 128 for s in lengths]
+  slope, intercept = tile_overhead.fit_steps(lengths, ms, 128)
+  np.testing.assert_allclose((slope, intercept), (36.5, 100.0), rtol=1e-9)
+
+
 def test_mosaic_sass_finds_loops_and_the_ptx(monkeypatch):
   """benchmarks/mosaic_sass.py: the PTX modules of a Mosaic dump log (the
   first, or the first holding a string), and each loop of ``nvdisasm -c``
