@@ -123,6 +123,8 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
       kw["overlap_epilogues"] = bool(int(value))
     elif name == "idle":  # idle consumers skip their steps' work (1)
       kw["skip_idle_rows"] = bool(int(value))
+    elif name == "autobar":  # Pallas's barriers around smem stores (1)
+      kw["auto_barriers"] = bool(int(value))
     elif name == "gks":  # unmasked steps' K scales grouped before the kernel
       kw["group_key_scales"] = bool(int(value))
     else:

@@ -597,6 +597,32 @@ def test_partial_last_schedule_takes_every_tile_once_and_evens_out_work(
     assert (full + cost * partial).max() <= share + cost + 1e-9
 
 
+def _three_consumer_kernel_text(call, **tiling) -> str:
+  """The sage2-8b kernel alone on ``call``, three persistent consumers in
+  three phases over 5 CTAs (with ``tiling``'s other fields), lowered for
+  CUDA on the CPU."""
+  config = PRESETS["sage2-8b"]
+  t = MosaicTiling(persistent=True, num_ctas=5, num_consumers=3,
+                   consumer_registers=160, producer_registers=32,
+                   schedule_exp=True, **tiling)
+  text = jax.jit(lambda: mosaic.BACKEND.kernel(
+      mosaic.BACKEND.prepare(call, config, t), call, config, t)).trace(
+      ).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  return text
+
+
+def test_without_auto_barriers_lowers_for_cuda():
+  """``auto_barriers=False`` lowers the three-consumer persistent kernel
+  without Pallas's barriers around its shared-memory stores: a different
+  module from the default's."""
+  q, k, v = _data(2, 200, 300, 4, 2, 128)
+  on, off = (_three_consumer_kernel_text(_inputs.parse(q, k, v),
+                                         auto_barriers=auto)
+             for auto in (True, False))
+  assert on != off
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_idle_consumers_lower_for_cuda(causal):
   """Without a causal mask, consumers whose rows all lie past the query
@@ -606,18 +632,9 @@ def test_idle_consumers_lower_for_cuda(causal):
   q, k, v = _data(2, 200, 300, 4, 2, 128)
   call = _inputs.parse(q, k, v, is_causal=causal,
                        query_seq_lengths=jnp.array([200, 70]))
-  config = PRESETS["sage2-8b"]
-  texts = []
-  for skip in (True, False):
-    t = MosaicTiling(persistent=True, num_ctas=5, num_consumers=3,
-                     consumer_registers=160, producer_registers=32,
-                     schedule_exp=True, skip_idle_rows=skip)
-    f = lambda: mosaic.BACKEND.kernel(
-        mosaic.BACKEND.prepare(call, config, t), call, config, t)
-    texts.append(jax.jit(f).trace().lower(
-        lowering_platforms=("cuda",)).as_text())
-  assert all("mosaic_gpu" in x for x in texts)
-  assert (texts[0] == texts[1]) == causal
+  on, off = (_three_consumer_kernel_text(call, skip_idle_rows=skip)
+             for skip in (True, False))
+  assert (on == off) == causal
 
 
 @pytest.mark.parametrize("layout,lengths,dtype,want", [
@@ -1234,6 +1251,10 @@ KERNEL_TILINGS = {
     "persistent_three_consumers_exp_turns_5_ctas": MosaicTiling(
         persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
         producer_registers=32, schedule_exp=True),
+    # without Pallas's barriers around the stores to shared memory
+    "persistent_three_consumers_exp_turns_no_auto_barriers": MosaicTiling(
+        persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
+        producer_registers=32, schedule_exp=True, auto_barriers=False),
     # every step reduces its per-key scales in the kernel
     "per_key_scales": MosaicTiling(group_key_scales=False),
     "persistent_per_key_scales": MosaicTiling(
