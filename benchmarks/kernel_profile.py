@@ -40,22 +40,29 @@ import mosaic_check  # noqa: E402  (benchmarks/ is the script's directory)
 TILE_REGIONS = ("wait_q", "epilogue", "epilogue_meeting")
 
 
-def region_clocks(trace_path: str, consumers: int = 2) -> dict:
-  """Per warpgroup role (``consumers`` consumer warpgroups and a producer
-  per CTA): mean clocks per CTA spent in each region (nested regions
-  counted in themselves and their parent), the mean CTA span, and the
-  number of region entries per CTA."""
+def _warpgroup_events(trace_path: str, consumers: int):
+  """(role, its events in time order) per warpgroup of every CTA in a
+  trace: tid 1 + warpgroup + (consumers + 1) · CTA, ``consumers`` consumer
+  warpgroups then the producer."""
   names = [f"consumer {i}" for i in range(consumers)] + ["producer"]
   with open(trace_path) as f:
     events = json.load(f)["traceEvents"]
   per_tid = collections.defaultdict(list)
   for e in events:
     per_tid[e["tid"]].append(e)
+  return [(names[(tid - 1) % len(names)], evs)
+          for tid, evs in per_tid.items()]
+
+
+def region_clocks(trace_path: str, consumers: int = 2) -> dict:
+  """Per warpgroup role (``consumers`` consumer warpgroups and a producer
+  per CTA): mean clocks per CTA spent in each region (nested regions
+  counted in themselves and their parent), the mean CTA span, and the
+  number of region entries per CTA."""
   totals = collections.defaultdict(lambda: collections.defaultdict(float))
   counts = collections.defaultdict(lambda: collections.defaultdict(int))
   spans = collections.defaultdict(list)
-  for tid, evs in per_tid.items():
-    role = names[(tid - 1) % len(names)]
+  for role, evs in _warpgroup_events(trace_path, consumers):
     stack = []
     for e in evs:  # in time order, ts in µs of %clock cycles (1e3 / µs)
       if e["ph"] == "B":
@@ -79,17 +86,11 @@ def step_periods(trace_path: str, consumers: int, steps: int) -> dict:
   tile; position 0 spans a tile end: the epilogue and the next tile's
   start). Persistent grids with several tiles a CTA show what a tile end
   costs beside a steady step (benchmarks/NOTES.md, Mosaic section 48)."""
-  with open(trace_path) as f:
-    events = json.load(f)["traceEvents"]
-  starts = collections.defaultdict(list)
-  for e in events:
-    if e["name"] == "qk" and e["ph"] == "B":
-      starts[e["tid"]].append(e["ts"] * 1e3)
   periods = collections.defaultdict(lambda: collections.defaultdict(list))
-  for tid, ts in starts.items():
-    wg = (tid - 1) % (consumers + 1)
+  for role, evs in _warpgroup_events(trace_path, consumers):
+    ts = [e["ts"] * 1e3 for e in evs if e["name"] == "qk" and e["ph"] == "B"]
     for i in range(1, len(ts)):
-      periods[f"consumer {wg}"][i % steps].append(ts[i] - ts[i - 1])
+      periods[role][i % steps].append(ts[i] - ts[i - 1])
   return {role: [float(np.mean(by[p])) if by[p] else None
                  for p in range(steps)]
           for role, by in sorted(periods.items())}

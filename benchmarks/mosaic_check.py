@@ -15,10 +15,12 @@ Writes ``mosaic_check.json`` under ``--out`` and prints the tables last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
 import traceback
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +139,26 @@ WITH_PALLAS = False  # --pallas: the "pallas" backend end to end beside them
 KERNELS_ONLY = False  # --kernels-only: the variants' kernels, not their e2e
 
 
+def kernel_alone(tiling: Optional[MosaicTiling], cfg: SageConfig,
+                 causal: bool):
+  """The backend's kernel alone under ``tiling`` (None: its default):
+  ``(fn, prepare)``, where ``prepare(q, k, v)`` quantizes (jitted) into the
+  arguments of ``fn``, the jitted kernel."""
+  parse = lambda q, k, v: _inputs.parse(q, k, v, is_causal=causal)
+  backend = registry()[IMPL]
+  extra = () if IMPL == "xla" else (tiling,)
+  prep = jax.jit(lambda q, k, v: (backend.prepare(
+      parse(q, k, v), cfg, *extra),))
+  calls = []
+
+  def prepare(q, k, v):  # the kernel reads only the call's static fields
+    calls.append(parse(q, k, v))
+    return prep(q, k, v)
+
+  fn = jax.jit(lambda p: backend.kernel(p, calls[0], cfg, *extra))
+  return fn, prepare
+
+
 def variants_for(h, quick):
   def e2e(impl, preset="sage2-8b"):
     def make(causal):
@@ -151,21 +173,7 @@ def variants_for(h, quick):
     return f, None
 
   def kernel_only(tiling=None, cfg=PRESETS["sage2-8b"]):
-    def make(causal):
-      parse = lambda q, k, v: _inputs.parse(q, k, v, is_causal=causal)
-      backend = registry()[IMPL]
-      extra = () if IMPL == "xla" else (tiling,)
-      prep = jax.jit(lambda q, k, v: (backend.prepare(
-          parse(q, k, v), cfg, *extra),))
-      calls = []
-
-      def prepare(q, k, v):  # the kernel reads only the call's static fields
-        calls.append(parse(q, k, v))
-        return prep(q, k, v)
-
-      fn = jax.jit(lambda p: backend.kernel(p, calls[0], cfg, *extra))
-      return fn, prepare
-    return make
+    return functools.partial(kernel_alone, tiling, cfg)
 
   def e2e_tiling(tiling, cfg):
     """End to end (quantization included) with a tiling: prepare + kernel

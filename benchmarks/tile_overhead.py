@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sagejax import _inputs, testing
-from sagejax.backends import mosaic
+from sagejax import testing
 from sagejax.bench import timing
 
 import mosaic_check  # noqa: E402  (benchmarks/ is the script's directory)
@@ -61,20 +60,18 @@ def main():
   key = jax.random.key(7)
   for s in lengths:
     key, sub = jax.random.split(key)
-    q, k, v = testing.make_qkv(sub, b, t, s, n, n, h, "normal",
-                               jnp.bfloat16, "BTNH")
-    call = _inputs.parse(q, k, v)
+    qkv = testing.make_qkv(sub, b, t, s, n, n, h, "normal", jnp.bfloat16,
+                           "BTNH")
     first = None
     for extra in variants:
       tiling, config = mosaic_check.parse_variant(
           args.base + ("," + extra if extra else ""))
-      prepared = jax.jit(lambda q, k, v: mosaic.BACKEND.prepare(
-          _inputs.parse(q, k, v), config, tiling))(q, k, v)
-      f = jax.jit(lambda p: mosaic.BACKEND.kernel(p, call, config, tiling))
-      out = np.asarray(f(prepared)[0], np.float32)
+      f, prepare = mosaic_check.kernel_alone(tiling, config, causal=False)
+      prepared = prepare(*qkv)
+      out = np.asarray(f(*prepared)[0], np.float32)
       first = out if first is None else first
       err = testing.error_metrics(out, first)["rel_l2"]
-      ms = timing.time_calls(f, [(prepared,)], cfg).median_s * 1e3
+      ms = timing.time_calls(f, [prepared], cfg).median_s * 1e3
       report.setdefault(extra or "base", {})[s] = dict(ms=ms, rel_l2=err)
       print(f"T={t} S={s} {extra or 'base':40s} {ms:.4f} ms "
             f"rel_l2 {err:.2e}", flush=True)
