@@ -103,6 +103,7 @@ def profile_case(shape, tiling_spec: str, key, cfg) -> dict:
   call = _inputs.parse(q, k, v, is_causal=causal)
   if tiling_spec:
     tiling, config = mosaic_check.parse_variant(tiling_spec)
+    tiling = mosaic_check.resolve_tiling(tiling, call, config)
   else:  # the backend's choice for this call
     config = PRESETS["sage2-8b"]
     tiling = mosaic.default_tiling(h, config, call)

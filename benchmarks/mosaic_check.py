@@ -15,12 +15,13 @@ Writes ``mosaic_check.json`` under ``--out`` and prints the tables last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
 import time
 import traceback
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +29,10 @@ import numpy as np
 
 import sagejax
 from sagejax import PRESETS, SageConfig, _inputs, testing
+from sagejax._inputs import ParsedCall
 from sagejax.backends import mosaic, registry
 from sagejax.bench import timing
+from sagejax.kernels._common import next_pow2
 from sagejax.kernels.mosaic_attention import MosaicTiling
 
 IMPL = "mosaic"  # --dry-run: "xla" on a CPU, to test this script
@@ -75,16 +78,27 @@ def time_case(shape, variants, key, cfg):
   return results
 
 
-def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
+TilingSpec = Union[MosaicTiling, Callable[[ParsedCall, SageConfig],
+                                           MosaicTiling]]
+
+
+def parse_variant(spec: str) -> tuple[TilingSpec, SageConfig]:
   """``"bkv=64,stages=3,regs=240/24,sched=0,expturn=1,overlap=1,rs=0,qk=1,
   nc=3,persist=1,ctas=132"``
-  → (MosaicTiling, sage2-8b config); the config fields ``warps=N``
+  → (MosaicTiling, sage2-8b config): the named fields over
+  ``MosaicTiling()``'s defaults, which are *not* the backend's choice for a
+  call. A spec starting with ``default`` (``"default,idle=0"``) names fields
+  over the backend's choice for each call instead: the tiling is then a
+  function of (call, config) (:func:`resolve_tiling`). The config fields
+  ``warps=N``
   (``num_warps``: 8 gives the 16-row Q groups ``qk=1`` needs),
   ``fp32acc`` (``pv_accumulation="fp32"``), ``smoothv`` (``smooth_v``) and
   ``pv=bf16`` (16-bit P·V, as ``SageConfig.differentiated`` runs it) may
   be among them."""
   kw, config = {}, PRESETS["sage2-8b"]
-  for item in filter(None, spec.split(",")):
+  items = list(filter(None, spec.split(",")))
+  relative = bool(items) and items[0] == "default"
+  for item in items[relative:]:
     name, _, value = item.partition("=")
     if name == "fp32acc":
       config = config.replace(pv_accumulation="fp32")
@@ -125,13 +139,21 @@ def parse_variant(spec: str) -> tuple[MosaicTiling, SageConfig]:
       kw["overlap_epilogues"] = bool(int(value))
     elif name == "idle":  # idle consumers skip their steps' work (1)
       kw["skip_idle_rows"] = bool(int(value))
-    elif name == "autobar":  # Pallas's barriers around smem stores (1)
-      kw["auto_barriers"] = bool(int(value))
     elif name == "gks":  # unmasked steps' K scales grouped before the kernel
       kw["group_key_scales"] = bool(int(value))
     else:
       raise ValueError(f"unknown variant field {name!r}")
+  if relative:
+    return (lambda call, cfg: dataclasses.replace(mosaic.default_tiling(
+        max(64, next_pow2(call.dims[3])), cfg, call), **kw)), config
   return MosaicTiling(**kw), config
+
+
+def resolve_tiling(tiling: Optional[TilingSpec], call: ParsedCall,
+                   cfg: SageConfig) -> Optional[MosaicTiling]:
+  """A variant's tiling for ``call``: as parsed, or the backend's choice
+  with the variant's fields (a ``default,...`` spec)."""
+  return tiling(call, cfg) if callable(tiling) else tiling
 
 
 KERNEL_VARIANTS: list[str] = []  # --kernel-variants: extra tilings to time
@@ -139,23 +161,28 @@ WITH_PALLAS = False  # --pallas: the "pallas" backend end to end beside them
 KERNELS_ONLY = False  # --kernels-only: the variants' kernels, not their e2e
 
 
-def kernel_alone(tiling: Optional[MosaicTiling], cfg: SageConfig,
+def kernel_alone(tiling: Optional[TilingSpec], cfg: SageConfig,
                  causal: bool):
-  """The backend's kernel alone under ``tiling`` (None: its default):
-  ``(fn, prepare)``, where ``prepare(q, k, v)`` quantizes (jitted) into the
-  arguments of ``fn``, the jitted kernel."""
+  """The backend's kernel alone under ``tiling`` (None: its default; see
+  :func:`resolve_tiling`): ``(fn, prepare)``, where ``prepare(q, k, v)``
+  quantizes (jitted) into the arguments of ``fn``, the jitted kernel."""
   parse = lambda q, k, v: _inputs.parse(q, k, v, is_causal=causal)
   backend = registry()[IMPL]
-  extra = () if IMPL == "xla" else (tiling,)
-  prep = jax.jit(lambda q, k, v: (backend.prepare(
-      parse(q, k, v), cfg, *extra),))
+  extra = lambda call: (() if IMPL == "xla" else
+                        (resolve_tiling(tiling, call, cfg),))
+
+  def prepared(q, k, v):
+    call = parse(q, k, v)
+    return (backend.prepare(call, cfg, *extra(call)),)
+
+  prep = jax.jit(prepared)
   calls = []
 
   def prepare(q, k, v):  # the kernel reads only the call's static fields
     calls.append(parse(q, k, v))
     return prep(q, k, v)
 
-  fn = jax.jit(lambda p: backend.kernel(p, calls[0], cfg, *extra))
+  fn = jax.jit(lambda p: backend.kernel(p, calls[0], cfg, *extra(calls[0])))
   return fn, prepare
 
 
@@ -180,10 +207,11 @@ def variants_for(h, quick):
     in one jit."""
     def make(causal):
       backend = registry()[IMPL]
-      extra = () if IMPL == "xla" else (tiling,)
 
       def f(q, k, v):
         call = _inputs.parse(q, k, v, is_causal=causal)
+        extra = (() if IMPL == "xla" else
+                 (resolve_tiling(tiling, call, cfg),))
         return backend.kernel(backend.prepare(call, cfg, *extra), call, cfg,
                               *extra)
       return jax.jit(f), None
@@ -215,8 +243,11 @@ def main():
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--kernel-variants", default="",
                       help="';'-separated tilings, e.g. 'bkv=64,stages=3;"
-                      "regs=240/24;qk=1,warps=8' (only these beside cudnn "
-                      "and default; warps= sets SageConfig.num_warps)")
+                      "regs=240/24;qk=1,warps=8' (fields over "
+                      "MosaicTiling()'s defaults, not the backend's choice; "
+                      "'default,idle=0': fields over the backend's choice "
+                      "for each shape; only these beside cudnn and default; "
+                      "warps= sets SageConfig.num_warps)")
   parser.add_argument("--pallas", action="store_true",
                       help="with --kernel-variants: time the 'pallas' "
                       "(Triton) backend end to end too")

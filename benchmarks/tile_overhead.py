@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sagejax import testing
+from sagejax import _inputs, testing
 from sagejax.bench import timing
 
 import mosaic_check  # noqa: E402  (benchmarks/ is the script's directory)
@@ -75,7 +75,9 @@ def main():
       report.setdefault(extra or "base", {})[s] = dict(ms=ms, rel_l2=err)
       print(f"T={t} S={s} {extra or 'base':40s} {ms:.4f} ms "
             f"rel_l2 {err:.2e}", flush=True)
-  bkv = mosaic_check.parse_variant(args.base)[0].block_kv
+  base, config = mosaic_check.parse_variant(args.base)
+  bkv = mosaic_check.resolve_tiling(base, _inputs.parse(*qkv),
+                                    config).block_kv
   print("\n| variant | " + " | ".join(f"S={s} ms" for s in lengths)
         + " | per step of all tiles, µs | intercept, µs |")
   for name, by_s in report.items():

@@ -1,5 +1,6 @@
 """sagejax-bench end to end on CPU: reports, plots, RESULTS.md, bad args."""
 
+import dataclasses
 import gzip
 import json
 import pathlib
@@ -439,6 +440,34 @@ def test_tile_overhead_fits_steps_and_intercept(monkeypatch):
   ms = [0.1 + 0.0365 * s / 128 for s in lengths]
   slope, intercept = tile_overhead.fit_steps(lengths, ms, 128)
   np.testing.assert_allclose((slope, intercept), (36.5, 100.0), rtol=1e-9)
+
+
+def test_mosaic_check_variants_over_defaults_or_the_backends_choice(
+    monkeypatch):
+  """benchmarks/mosaic_check.py: a variant's fields lie over MosaicTiling()'s
+  defaults, or with a leading ``default`` over the backend's choice for
+  each call (4096 keys: three consumers on the persistent grid; 1024: two);
+  unknown fields are errors."""
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1]
+                                  / "benchmarks"))
+  import mosaic_check  # pylint: disable=import-outside-toplevel
+  from sagejax import PRESETS, _inputs  # pylint: disable=import-outside-toplevel
+  from sagejax.backends import mosaic  # pylint: disable=import-outside-toplevel
+  from sagejax.kernels.mosaic_attention import MosaicTiling  # pylint: disable=import-outside-toplevel
+  config = PRESETS["sage2-8b"]
+  plain, _ = mosaic_check.parse_variant("idle=0,bkv=64")
+  assert plain == MosaicTiling(skip_idle_rows=False, block_kv=64)
+  relative, cfg = mosaic_check.parse_variant("default,idle=0")
+  for s in (4096, 1024):
+    x = jnp.ones((1, s, 2, 128), jnp.bfloat16)
+    call = _inputs.parse(x, x, x)
+    want = mosaic.default_tiling(128, config, call)
+    got = mosaic_check.resolve_tiling(relative, call, cfg)
+    assert got == dataclasses.replace(want, skip_idle_rows=False)
+    assert mosaic_check.resolve_tiling(plain, call, cfg) is plain
+  assert got.num_consumers == 2 and want.persistent  # 1024 keys
+  with pytest.raises(ValueError, match="unknown variant field"):
+    mosaic_check.parse_variant("default,nope=1")
 
 
 def test_mosaic_sass_finds_loops_and_the_ptx(monkeypatch):
