@@ -612,17 +612,6 @@ def _three_consumer_kernel_text(call, **tiling) -> str:
   return text
 
 
-def test_without_auto_barriers_lowers_for_cuda():
-  """``auto_barriers=False`` lowers the three-consumer persistent kernel
-  without Pallas's barriers around its shared-memory stores: a different
-  module from the default's."""
-  q, k, v = _data(2, 200, 300, 4, 2, 128)
-  on, off = (_three_consumer_kernel_text(_inputs.parse(q, k, v),
-                                         auto_barriers=auto)
-             for auto in (True, False))
-  assert on != off
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_idle_consumers_lower_for_cuda(causal):
   """Without a causal mask, consumers whose rows all lie past the query
@@ -1251,10 +1240,6 @@ KERNEL_TILINGS = {
     "persistent_three_consumers_exp_turns_5_ctas": MosaicTiling(
         persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
         producer_registers=32, schedule_exp=True),
-    # without Pallas's barriers around the stores to shared memory
-    "persistent_three_consumers_exp_turns_no_auto_barriers": MosaicTiling(
-        persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
-        producer_registers=32, schedule_exp=True, auto_barriers=False),
     # every step reduces its per-key scales in the kernel
     "per_key_scales": MosaicTiling(group_key_scales=False),
     "persistent_per_key_scales": MosaicTiling(

@@ -152,11 +152,6 @@ class MosaicTiling:
       take two cheaper tiles are not those that take one more full one
       (kernel +0.6-0.8% at 4k and 16k, H=64 and 128; benchmarks/NOTES.md,
       Mosaic section 48). Not with ``overlap_qk``.
-    auto_barriers: Pallas's warpgroup barriers around every store to
-      shared memory (off: ``CompilerParams(unsafe_no_auto_barriers=True)``;
-      the kernel's own waits and commits order its stores, and four of the
-      six barriers of a tile's epilogue go; benchmarks/NOTES.md, Mosaic
-      section 48: not yet timed, hence on).
     num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
       None: one per SM of the device seen when tracing (132, an H100's or
       H200's, without a GPU: a program exported from a CPU host for a GPU
@@ -181,7 +176,6 @@ class MosaicTiling:
   group_key_scales: bool = True
   overlap_epilogues: bool = True
   skip_idle_rows: bool = True
-  auto_barriers: bool = True
 
   def __post_init__(self):
     if self.persistent and self.overlap_qk:
@@ -1633,9 +1627,7 @@ def attention_forward(
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           approx_math=True, **_profile_params(profile_dir, num_kv_blocks,
-                                                  profile_tiles),
-          **({} if tiling.auto_barriers
-             else dict(unsafe_no_auto_barriers=True))),
+                                                  profile_tiles)),
   )(*(inputs[name] for name in names))
   if t_rows != t_pad:
     lse, shift = lse[:, :, :t_pad], [x[:, :, :t_pad] for x in shift]
