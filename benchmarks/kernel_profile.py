@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sagejax import PRESETS, _inputs, testing
+from sagejax import _inputs, testing
 from sagejax.backends import mosaic
 from sagejax.bench import timing
 
@@ -101,12 +101,9 @@ def profile_case(shape, tiling_spec: str, key, cfg) -> dict:
   q, k, v = testing.make_qkv(key, b, s, s, n, n, h, "normal", jnp.bfloat16,
                              "BTNH")
   call = _inputs.parse(q, k, v, is_causal=causal)
-  if tiling_spec:
-    tiling, config = mosaic_check.parse_variant(tiling_spec)
-    tiling = mosaic_check.resolve_tiling(tiling, call, config)
-  else:  # the backend's choice for this call
-    config = PRESETS["sage2-8b"]
-    tiling = mosaic.default_tiling(h, config, call)
+  # No spec: the backend's choice for this call.
+  tiling, config = mosaic_check.parse_variant(tiling_spec or "default")
+  tiling = mosaic_check.resolve_tiling(tiling, call, config)
   backend = mosaic.BACKEND
   prepared = jax.jit(lambda q, k, v: backend.prepare(
       _inputs.parse(q, k, v, is_causal=causal), config, tiling))(q, k, v)

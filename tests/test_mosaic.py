@@ -597,21 +597,6 @@ def test_partial_last_schedule_takes_every_tile_once_and_evens_out_work(
     assert (full + cost * partial).max() <= share + cost + 1e-9
 
 
-def _three_consumer_kernel_text(call, **tiling) -> str:
-  """The sage2-8b kernel alone on ``call``, three persistent consumers in
-  three phases over 5 CTAs (with ``tiling``'s other fields), lowered for
-  CUDA on the CPU."""
-  config = PRESETS["sage2-8b"]
-  t = MosaicTiling(persistent=True, num_ctas=5, num_consumers=3,
-                   consumer_registers=160, producer_registers=32,
-                   schedule_exp=True, **tiling)
-  text = jax.jit(lambda: mosaic.BACKEND.kernel(
-      mosaic.BACKEND.prepare(call, config, t), call, config, t)).trace(
-      ).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
-  return text
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_idle_consumers_lower_for_cuda(causal):
   """Without a causal mask, consumers whose rows all lie past the query
@@ -621,9 +606,19 @@ def test_idle_consumers_lower_for_cuda(causal):
   q, k, v = _data(2, 200, 300, 4, 2, 128)
   call = _inputs.parse(q, k, v, is_causal=causal,
                        query_seq_lengths=jnp.array([200, 70]))
-  on, off = (_three_consumer_kernel_text(call, skip_idle_rows=skip)
-             for skip in (True, False))
-  assert (on == off) == causal
+  config = PRESETS["sage2-8b"]
+
+  def lowered(skip: bool) -> str:  # three persistent consumers, 5 CTAs
+    t = MosaicTiling(persistent=True, num_ctas=5, num_consumers=3,
+                     consumer_registers=160, producer_registers=32,
+                     schedule_exp=True, skip_idle_rows=skip)
+    text = jax.jit(lambda: mosaic.BACKEND.kernel(
+        mosaic.BACKEND.prepare(call, config, t), call, config, t)).trace(
+        ).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    return text
+
+  assert (lowered(True) == lowered(False)) == causal
 
 
 @pytest.mark.parametrize("layout,lengths,dtype,want", [
