@@ -29,15 +29,19 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sagejax.config import PRESETS
 from sagejax.kernels import triton_quantize
-from sagejax.kernels.mosaic_attention import load_all
+from sagejax.kernels.mosaic_attention import _swizzle, load_all
 
 
 def mosaic_row_cast(shape, rows: int, stages: int):
   """The probe: ``[B, T, N, H]`` bf16 → ``[B, N, T, H]`` INT8, tiles of
   ``rows`` tokens through a ring of ``stages`` TMA slots, one CTA a head."""
   b, t, n, h = shape
-  to_wgmma = lambda width: (plgpu.TilingTransform((8, width)),
-                            plgpu.SwizzleTransform(128))
+
+  def to_wgmma(dtype):  # the tiling and swizzle of a WGMMA-layout tile
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = _swizzle(h * itemsize)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)),
+            plgpu.SwizzleTransform(swizzle))
 
   def kernel(x_ref, o_ref):
     head = lax.axis_index("heads")
@@ -51,9 +55,9 @@ def mosaic_row_cast(shape, rows: int, stages: int):
     plgpu.emit_pipeline(
         tile, grid=(t // rows,),
         in_specs=[plgpu.BlockSpec((rows, h), lambda i: (i, 0),
-                                  transforms=to_wgmma(64))],
+                                  transforms=to_wgmma(jnp.bfloat16))],
         out_specs=[plgpu.BlockSpec((rows, h), lambda i: (i, 0),
-                                   transforms=to_wgmma(128))],
+                                   transforms=to_wgmma(jnp.int8))],
         max_concurrent_steps=stages)(x_ref.at[head // n, :, head % n, :],
                                      o_ref.at[head // n, head % n])
 
