@@ -29,19 +29,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sagejax.config import PRESETS
 from sagejax.kernels import triton_quantize
-from sagejax.kernels.mosaic_attention import _swizzle, load_all
+from sagejax.kernels.mosaic_attention import load_all, wgmma_smem
 
 
 def mosaic_row_cast(shape, rows: int, stages: int):
   """The probe: ``[B, T, N, H]`` bf16 → ``[B, N, T, H]`` INT8, tiles of
   ``rows`` tokens through a ring of ``stages`` TMA slots, one CTA a head."""
   b, t, n, h = shape
-
-  def to_wgmma(dtype):  # the tiling and swizzle of a WGMMA-layout tile
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = _swizzle(h * itemsize)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)),
-            plgpu.SwizzleTransform(swizzle))
+  # The tiling and swizzle a WGMMA-layout tile needs (the attention kernel's).
+  to_wgmma = lambda dtype: wgmma_smem((rows, h), dtype).transforms
 
   def kernel(x_ref, o_ref):
     head = lax.axis_index("heads")
@@ -66,19 +62,20 @@ def mosaic_row_cast(shape, rows: int, stages: int):
       grid=(b * n,), grid_names=("heads",)))
 
 
-def best_wall(f, x, reps: int, rounds: int = 3) -> float:
+def best_wall(f, x, reps: int, rounds: int = 3,
+              sync=jax.block_until_ready) -> float:
   """Seconds a call: the best of ``rounds`` rounds of ``reps`` calls back
-  to back (after 20 to warm up)."""
+  to back (after 20 to warm up); ``sync(out)`` waits for the device."""
   best = float("inf")
   for _ in range(rounds):
     out = None
     for _ in range(20):
       out = f(x)
-    jax.block_until_ready(out)
+    sync(out)
     t0 = time.perf_counter()
     for _ in range(reps):
       out = f(x)
-    jax.block_until_ready(out)
+    sync(out)
     best = min(best, (time.perf_counter() - t0) / reps)
   return best
 
@@ -114,19 +111,8 @@ def main():
     import torch  # the copy rate without JAX
     tx = torch.randn(x.size, device="cuda", dtype=torch.bfloat16)
     ty = torch.empty_like(tx)
-
-    def torch_mul(_):
-      torch.mul(tx, 0.5, out=ty)
-      return None
-
-    best = float("inf")
-    for _ in range(3):
-      torch.cuda.synchronize()
-      t0 = time.perf_counter()
-      for _ in range(args.reps):
-        torch_mul(None)
-      torch.cuda.synchronize()
-      best = min(best, (time.perf_counter() - t0) / args.reps)
+    best = best_wall(lambda _: torch.mul(tx, 0.5, out=ty), None, args.reps,
+                     sync=lambda _: torch.cuda.synchronize())
     results["torch x * 0.5 (bf16)"] = dict(ms=best * 1e3,
                                           tb_s=copy_bytes / best / 1e12)
   except ImportError:
