@@ -96,6 +96,10 @@ def main():
                  help="skip the per-kernel tables")
   p.add_argument("--soft-cap", type=float, default=None,
                  help="logits_soft_cap of the sagejax steps")
+  p.add_argument("--min-ms", type=float, default=0.002,
+                 help="list kernels taking at least this long a call")
+  p.add_argument("--hlo", action="store_true",
+                 help="also write each step's optimized HLO under --out")
   args = p.parse_args()
   os.makedirs(args.out, exist_ok=True)
   rows, spans = [], []
@@ -114,6 +118,10 @@ def main():
         print(f"{kind} {shape}: {type(e).__name__}: {e}"[:400], flush=True)
         continue
       fns[kind] = fn
+      if args.hlo:
+        name = f"{kind}_{shape.replace(',', '_')}.hlo.txt"
+        with open(os.path.join(args.out, name), "w") as f:
+          f.write(fn.lower(q, k, v, do).compile().as_text())
       if args.no_kernels:
         continue
       t0 = time.perf_counter()
@@ -134,7 +142,7 @@ def main():
             f"(idle {span_ms - total:.3f})", flush=True)
       for name, (t, c) in sorted(times.items(), key=lambda x: -x[1][0]):
         ms = t / args.calls / 1e3
-        if ms < 0.002:
+        if ms < args.min_ms:
           continue
         print(f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{max(1, c // args.calls):<3d}"
               f" {name[:110]}")
