@@ -327,7 +327,8 @@ def token_mean(x: jax.Array, lengths: Optional[jax.Array] = None
 
 
 def sampled_mean(x: jax.Array, lengths: Optional[jax.Array] = None,
-                 token_axis: int = -2) -> jax.Array:
+                 token_axis: int = -2, tokens: Optional[int] = None
+                 ) -> jax.Array:
   """The smoothing mean of ``x [B, ..., T, H]``: f32 ``[B, ..., H]``, the mean
   of the ``MEAN_SAMPLES`` tokens ``⌊i·L / MEAN_SAMPLES⌋`` (``L`` the batch's
   valid length; tokens repeat when ``L`` is smaller; 0 when ``L`` is 0).
@@ -337,15 +338,27 @@ def sampled_mean(x: jax.Array, lengths: Optional[jax.Array] = None,
   tokens, not all of them.
   Non-finite values count as 0 (:func:`finite_part`). ``token_axis``: where
   the tokens are (1 for ``[B, S, K, H]``); the result drops that axis.
+  ``tokens``: without ``lengths``, every batch's valid length (default: all
+  of ``x``'s tokens; fewer where ``x`` is padded).
   """
   axis = token_axis % x.ndim
-  b, t = x.shape[0], x.shape[axis]
+  b = x.shape[0]
+  t = x.shape[axis] if tokens is None else tokens
   n_len = valid_lengths(lengths, b, t)
-  idx = (jnp.arange(MEAN_SAMPLES, dtype=jnp.int32)[None, :]
-         * n_len[:, None]) // MEAN_SAMPLES  # [B, MEAN_SAMPLES], below L
-  shape = [1] * x.ndim
-  shape[0], shape[axis] = b, MEAN_SAMPLES
-  rows = jnp.take_along_axis(x, idx.reshape(shape), axis=axis)
+  if lengths is None and t % MEAN_SAMPLES == 0:
+    # Every batch whole: the tokens i·t/MEAN_SAMPLES, a strided slice (no
+    # gather, no index arrays: small kernels fewer on a GPU).
+    rows = jax.lax.slice_in_dim(x, 0, t, t // MEAN_SAMPLES, axis=axis)
+  else:
+    if lengths is None:  # constant indices
+      idx = jnp.asarray(np.arange(MEAN_SAMPLES, dtype=np.int32)[None, :]
+                        * t // MEAN_SAMPLES)
+    else:
+      idx = (jnp.arange(MEAN_SAMPLES, dtype=jnp.int32)[None, :]
+             * n_len[:, None]) // MEAN_SAMPLES  # [B, MEAN_SAMPLES], below L
+    shape = [1] * x.ndim
+    shape[0], shape[axis] = idx.shape
+    rows = jnp.take_along_axis(x, idx.reshape(shape), axis=axis)
   rows = finite_part(jnp.moveaxis(rows, axis, -2).astype(jnp.float32))
   # A pairwise sum of slices: the same additions in the same order whatever
   # the layout, batch sharding or fusion (a reduce may be reordered).
@@ -439,10 +452,11 @@ def _pad_channels_even(x: jax.Array) -> jax.Array:
 
 def valid_lengths(lengths: Optional[jax.Array], batch: int, n: int
                   ) -> jax.Array:
-  """Per-batch valid lengths, int32 ``[B]``; ``n`` where none were given."""
+  """Per-batch valid lengths, int32 ``[B]``; ``n`` where none were given,
+  as a constant (under ``jit``, no kernel makes it)."""
   if lengths is not None:
     return lengths.astype(jnp.int32)
-  return jnp.full((batch,), n, jnp.int32)
+  return jnp.asarray(np.full((batch,), n, np.int32))
 
 
 def quantize_q(q: jax.Array, config: SageConfig, sm_scale: float,

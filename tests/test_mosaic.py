@@ -2232,3 +2232,44 @@ def test_gpu_mosaic_backward_propagates_nan():
     assert want_nan[:, :, 1].any()
     assert np.all(got_nan[want_nan])
     assert not got_nan[:, :, [0, 2, 3]].any()
+
+
+@pytest.mark.parametrize("h,kwargs,grouped", [
+    (128, dict(), True), (64, dict(is_causal=True), True),
+    (128, dict(logits_soft_cap=20.0), False)])
+def test_k_pass_writes_the_kernels_grouped_key_scales(monkeypatch, h, kwargs,
+                                                      grouped):
+  """Where the kernel reads grouped K scales, the K pass writes them
+  (``Prepared.k_group_scales``), and the lowered forward has fewer XLA
+  reductions than where the kernel groups them itself
+  (``group_key_scales``); under a soft cap the kernel takes per-key
+  scales and the pass writes none."""
+  from sagejax.kernels._common import GROUP_SCALES_PER_STEP
+  q, k, v = _data(2, 300, 512, 4, 2, h)
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  config = PRESETS["sage2-8b"]
+  call = _inputs.parse(q, k, v, **kwargs)
+  tiling = mosaic.default_tiling(h, config, call)
+
+  def prepare(q, k, v):
+    return mosaic.BACKEND.prepare(_inputs.parse(q, k, v, **kwargs), config)
+
+  def reduces():
+    def f(q, k, v):
+      return mosaic.BACKEND.forward(_inputs.parse(q, k, v, **kwargs), config)
+    text = jax.jit(f).trace(q, k, v).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu_v2") == 1
+    return text.count("stablehlo.reduce")
+
+  grouped_scales = jax.eval_shape(prepare, q, k, v).k_group_scales
+  if not grouped:
+    assert grouped_scales is None
+    return
+  assert grouped_scales.shape == (
+      2, 2, 512 // tiling.block_kv * GROUP_SCALES_PER_STEP)
+  by_pass = reduces()
+  monkeypatch.setattr(mosaic, "uses_group_key_scales",
+                      lambda *args, **kw: False)
+  assert jax.eval_shape(lambda *x: prepare(*x), q, k, v).k_group_scales is None
+  assert reduces() == by_pass + 1

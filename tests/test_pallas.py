@@ -16,6 +16,7 @@ import sagejax
 from sagejax import PRESETS, SageConfig, _inputs, quant, testing
 from sagejax.backends import pallas_triton, xla
 from sagejax.kernels import triton_attention, triton_quantize
+from sagejax.kernels._common import GROUP_SCALES_PER_STEP
 from sagejax.masks import MaskSpec
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -186,6 +187,61 @@ def test_k_pass_writes_the_centred_k_the_backward_makes(layout):
   with pytest.raises(ValueError, match="centred"):
     triton_quantize.quantize_qk(k, lengths, None, role="k", config=config,
                                 layout=layout, centred=True, interpret=True)
+
+
+def _check_k_pass_group_scales(layout: str, block_k: int, step_keys: int,
+                               interpret: bool):
+  """The K pass's grouped scales (``group_scale_keys``) against
+  ``group_key_scales`` of its per-key scales, on the entries the Mosaic
+  kernel reads (a step's first 4 · step_keys / 64), NaN keys and lengths
+  included."""
+  from sagejax.kernels.mosaic_attention import group_key_scales
+  config = PRESETS["sage2-8b"].replace(block_k=block_k)
+  _, k, _ = _data(2, 8, 512, 2, 2, 64, kind="channel_bias", layout=layout,
+                  dtype=jnp.bfloat16)
+  t_ax = 1 if layout == "BTNH" else 2
+  k = k.at[(0, 70, 1) if t_ax == 1 else (0, 1, 70)].set(jnp.nan)
+  k = k.at[(1, 200, 0) if t_ax == 1 else (1, 0, 200)].set(-jnp.inf)
+  lengths = jnp.array([512, 300], jnp.int32)
+  k_mean = quant.sampled_mean(k, lengths, token_axis=t_ax)
+  got = triton_quantize.quantize_qk(
+      k, lengths, k_mean, role="k", config=config, layout=layout,
+      group_scale_keys=step_keys, interpret=interpret)
+  used = 4 * step_keys // 64
+  shape = (2, 2, 512 // step_keys, GROUP_SCALES_PER_STEP)
+  want = np.asarray(group_key_scales(got[1], step_keys)).reshape(shape)
+  grouped = np.asarray(got[6]).reshape(shape)
+  np.testing.assert_array_equal(grouped[..., :used], want[..., :used])
+  assert np.isnan(grouped[..., :used]).sum() == 2  # one group a bad key
+  assert got[6].shape == (2, 2, 512 // step_keys * GROUP_SCALES_PER_STEP)
+
+
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+@pytest.mark.parametrize("block_k,step_keys", [(64, 128), (64, 256),
+                                               (128, 128)])
+def test_k_pass_writes_the_grouped_key_scales(layout, block_k, step_keys):
+  """The K pass writes the Mosaic kernel's grouped K scales (no XLA
+  kernels for them) as ``group_key_scales`` makes them; a step that is not
+  a multiple of its blocks and of 64 keys is refused."""
+  _check_k_pass_group_scales(layout, block_k, step_keys, interpret=True)
+  _, k, _ = _data(1, 8, 128, 2, 2, 64, layout=layout)
+  with pytest.raises(ValueError, match="group_scale_keys"):
+    triton_quantize.quantize_qk(
+        k, jnp.array([128], jnp.int32), None, role="k",
+        config=PRESETS["sage2-8b"].replace(block_k=128), layout=layout,
+        group_scale_keys=64, interpret=True)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+@pytest.mark.parametrize("block_k,step_keys", [(64, 128), (64, 256),
+                                               (128, 128)])
+def test_gpu_k_pass_writes_the_grouped_key_scales(layout, block_k,
+                                                  step_keys):
+  """As above, compiled for the GPU (the Triton scatter of 4 entries a
+  64 keys)."""
+  _check_k_pass_group_scales(layout, block_k, step_keys, interpret=False)
 
 
 @pytest.mark.parametrize("granularity,rows", [

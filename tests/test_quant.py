@@ -265,6 +265,25 @@ def test_sampled_mean(next_key):
   assert not np.any(quant.sampled_mean(x, jnp.array([0, 1, 2]))[0])
 
 
+@pytest.mark.parametrize("t", [17, 300, 2 * quant.MEAN_SAMPLES])
+def test_sampled_mean_without_lengths(next_key, t):
+  """Without lengths (a strided slice where T is a multiple of
+  MEAN_SAMPLES, constant indices otherwise) the mean is bit for bit that
+  of lengths all T, under jit too; ``tokens`` takes it over the first
+  tokens of a padded ``x``."""
+  x = jax.random.normal(next_key(), (2, t, 3, 8)) * 3 + 1
+  x = x.at[0, t // 2, 1].set(jnp.nan)
+  full = jnp.full((2,), t, jnp.int32)
+  want = quant.sampled_mean(x, full, token_axis=1)
+  np.testing.assert_array_equal(quant.sampled_mean(x, token_axis=1), want)
+  np.testing.assert_array_equal(
+      jax.jit(lambda x: quant.sampled_mean(x, token_axis=1))(x), want)
+  padded = jnp.pad(x, ((0, 0), (0, 40), (0, 0), (0, 0)),
+                   constant_values=100.0)
+  np.testing.assert_array_equal(
+      quant.sampled_mean(padded, token_axis=1, tokens=t), want)
+
+
 def test_p_fp8_static_scale(next_key):
   p = jnp.concatenate([jnp.array([0.0, 1.0, 0.5, 2.0**-12]),
                        jax.random.uniform(next_key(), (1000,))])

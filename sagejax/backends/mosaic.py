@@ -54,9 +54,10 @@ from sagejax.backends.pallas_triton import (Prepared, pad_axis, pairwise,
                                             v_read_in_place)
 from sagejax.config import SageConfig
 from sagejax.kernels import mosaic_backward, triton_backward
-from sagejax.kernels._common import next_pow2
+from sagejax.kernels._common import GROUP_SCALES_PER_STEP, next_pow2
 from sagejax.kernels.mosaic_attention import (MosaicTiling, QuantizeQ,
-                                              attention_forward)
+                                              attention_forward,
+                                              uses_group_key_scales)
 from sagejax.kernels.mosaic_backward import MosaicBackwardTiling
 
 # Above this head dim the forward runs FP8 P·V in column parts only (a
@@ -299,12 +300,19 @@ class _MosaicBackend:
     """Quantizes K, V (and Q, unless the kernel does:
     :func:`quantize_q_in_kernel`) for the kernel (INT4 unpacked to INT8
     values: Hopper has no 4-bit tensor cores); ``centre_k``: also K − k̄
-    (``Prepared.centred_k``, :meth:`centres_k`)."""
+    (``Prepared.centred_k``, :meth:`centres_k`). Where the kernel takes
+    grouped K scales, the K pass writes them (``Prepared.k_group_scales``:
+    no XLA kernels for them between the passes and the kernel)."""
     _, _, _, h, _, _ = call.dims
     hp = max(64, next_pow2(h))
     tiling = tiling or default_tiling(hp, config, call)
     fp8 = config.pv_dtype == "fp8_e4m3"
     s_multiple = max(config.block_k, tiling.block_kv)
+    grouped = (uses_group_key_scales(
+        tiling, k_scale_grouped=k_scale_grouped(config),
+        smoothed_q=config.smooth_q, logits_soft_cap=call.logits_soft_cap,
+        mask_or_bias=call.mask is not None or call.bias is not None)
+        and tiling.block_kv % math.lcm(64, config.block_k) == 0)
     prepared = quantize_inputs(
         call, config, head_dim=hp,
         # Q's rows to whole Q-pass programs and consumer tiles, not to whole
@@ -315,7 +323,8 @@ class _MosaicBackend:
         quantize_q=(not tiling.quantize_q
                     or quantize_q_in_kernel(call, config) is None),
         v_in_place=v_read_in_place(call, config, hp, s_multiple),
-        centre_k=centre_k)
+        centre_k=centre_k,
+        group_scale_keys=tiling.block_kv if grouped else None)
     if config.qk_dtype == "int4":
       qkv = prepared.qkv
       q = qkv.q if qkv.q is None else quant.unpack_int4(qkv.q)
@@ -339,6 +348,10 @@ class _MosaicBackend:
       q, q_layout = prepared.q_raw, call.layout
       quantize_q = quantize_q_in_kernel(call, config)
     cap, shift = call.logits_soft_cap, qkv.lse_shift
+    grouped = prepared.k_group_scales  # for prepare's tiling's steps
+    if grouped is not None and grouped.shape[-1] != (
+        qkv.k.shape[2] // tiling.block_kv * GROUP_SCALES_PER_STEP):
+      grouped = None  # the kernel groups its own
     row_shift = None  # with a cap, K smoothing's shift goes in before it
     if cap is not None and shift is not None:
       row_shift = pad_axis(shift, 2, qkv.q.shape[2])  # Q by the pass
@@ -356,7 +369,8 @@ class _MosaicBackend:
         mask=(None if prepared.mask is None or prepared.bias is not None
               else (prepared.mask != 0).astype(jnp.bfloat16)),
         bias=bias_tiles(prepared.bias, prepared.mask, cap),
-        bias_has_mask=prepared.bias is not None and prepared.mask is not None)
+        bias_has_mask=prepared.bias is not None and prepared.mask is not None,
+        k_group_scales=grouped)
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]
     else:
@@ -481,16 +495,17 @@ class _MosaicBackend:
         raise ValueError("a soft-capped call's backward takes K and the "
                          "LSE, not K − k̄ or lse₂.")
       kc = pad(call.k, s_pad)
-      k_mean = quant.sampled_mean(kc, kv_lengths, token_axis=t_ax)
+      k_mean = quant.sampled_mean(kc, call.kv_lengths, token_axis=t_ax,
+                                  tokens=s)
     elif k_bar is not None:  # the forward's K pass made K − k̄
       if not saved_lse2:
         raise ValueError("k_bar (K centred by the forward) goes with "
                          "saved_lse2.")
       kc, k_mean = pad(call.k, s_pad), k_bar
     else:
-      kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
+      kc, k_mean = smoothed(call.k, call.kv_lengths, layout, hp, s_pad)
     if out is None:
-      vc, _ = smoothed(call.v, kv_lengths, layout, hp, s_pad)
+      vc, _ = smoothed(call.v, call.kv_lengths, layout, hp, s_pad)
     else:
       vc = pad(call.v, s_pad)
     q, do = pad(call.q), pad(d_out)

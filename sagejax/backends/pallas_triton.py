@@ -87,15 +87,17 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
-def smoothed(x: jax.Array, lengths: jax.Array, layout: str, head_dim: int,
-             size: int) -> tuple[jax.Array, jax.Array]:
+def smoothed(x: jax.Array, lengths: Optional[jax.Array], layout: str,
+             head_dim: int, size: int) -> tuple[jax.Array, jax.Array]:
   """K or V minus a mean of its valid tokens (:func:`sagejax.quant.
   sampled_mean`: the backward is exact for any fixed vector, and this one
   reads a few tokens), in its dtype and layout, padded to ``head_dim`` and
-  ``size`` tokens; and the f32 mean ``[B, K, head_dim]``."""
+  ``size`` tokens; and the f32 mean ``[B, K, head_dim]``. ``lengths``: the
+  call's (None: all tokens)."""
   t_ax = 1 if layout == "BTNH" else 2
+  tokens = x.shape[t_ax]
   x = pad_axis(pad_axis(x, 3, head_dim), t_ax, size)
-  mean = quant.sampled_mean(x, lengths, token_axis=t_ax)
+  mean = quant.sampled_mean(x, lengths, token_axis=t_ax, tokens=tokens)
   bcast = mean[:, None] if layout == "BTNH" else mean[:, :, None]
   return (x.astype(jnp.float32) - bcast).astype(x.dtype), mean
 
@@ -128,6 +130,8 @@ class Prepared:
   ``qkv.v``'s layout when 16-bit (``"BTNH"``: the caller's V, read in place).
   ``centred_k``: (K − k̄ in the call's layout, padded as the K pass read it;
   k̄ f32 ``[B, K, H]``) where :func:`quantize_inputs` was asked for them.
+  ``k_group_scales``: the Mosaic kernel's grouped K scales, written by the
+  K pass where :func:`quantize_inputs` was asked for them.
   """
   qkv: quant.QuantizedQKV
   q_lengths: jax.Array
@@ -139,6 +143,7 @@ class Prepared:
   v_layout: str = dataclasses.field(default="BNTH",
                                     metadata=dict(static=True))
   centred_k: Optional[tuple[jax.Array, jax.Array]] = None
+  k_group_scales: Optional[jax.Array] = None
 
 
 def v_read_in_place(call: ParsedCall, config: SageConfig, head_dim: int,
@@ -160,6 +165,7 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                     v_store_dtype=None, v_wgmma_key_order: bool = False,
                     quantize_q: bool = True, v_in_place: bool = False,
                     centre_k: bool = False,
+                    group_scale_keys: Optional[int] = None,
                     interpret: bool = False) -> Prepared:
   """Smooths and quantizes Q, K, V with the Pallas (Triton) kernels.
 
@@ -175,7 +181,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   instead of a copy, one read of V finding its non-finite channels; only
   where :func:`v_read_in_place` allows. ``centre_k``: the K pass also
   writes K − k̄ (``Prepared.centred_k``; K smoothing only), what the
-  backward multiplies.
+  backward multiplies. ``group_scale_keys``: the K pass also writes the
+  Mosaic kernel's grouped K scales for its steps of so many keys
+  (``Prepared.k_group_scales``; :func:`triton_quantize.quantize_qk_pass`).
   """
   b, n, t, h, kh, s = call.dims
   layout = call.layout
@@ -197,7 +205,8 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   fp8 = config.pv_dtype == "fp8_e4m3"
   k_mean = v_mean = v_amax = None
   if config.smooth_k:
-    k_mean = quant.sampled_mean(k, kv_lengths, token_axis=s_ax)
+    k_mean = quant.sampled_mean(k, call.kv_lengths, token_axis=s_ax,
+                                tokens=s)
   if v_in_place and (v_transposed or v_store_dtype is not None
                      or not v_read_in_place(call, config, head_dim,
                                             s_multiple)):
@@ -211,7 +220,8 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   # last, so that V's pass after it finds a short sequence's V in L2.
   passes = [triton_quantize.quantize_qk_pass(
       k, kv_lengths, k_mean, role="k", config=config, layout=layout,
-      v=v if v_in_place else None, centred=centre_k, interpret=interpret)]
+      v=v if v_in_place else None, centred=centre_k,
+      group_scale_keys=group_scale_keys, interpret=interpret)]
   # The Q pass also makes the LSE shift q·k̄ (no second read of Q).
   if quantize_q:
     passes.append(triton_quantize.quantize_qk_pass(
@@ -224,7 +234,7 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
         k, v, kv_lengths, layout=layout, k_mean=False,
         v_mean=config.smooth_v, v_amax=fp8 and not config.smooth_v))
   results = triton_quantize.run_passes(passes, interpret)
-  k_vals, k_scale, _, _, v_amax, k_centred = results[0]
+  k_vals, k_scale, _, _, v_amax, k_centred, k_grouped = results[0]
   if statistics:
     _, v_mean, v_amax = results[-1]
   if fp8:
@@ -239,7 +249,7 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
 
   q_vals = q_scale = q_bmean = lse_shift = None
   if quantize_q:
-    q_vals, q_scale, q_bmean, lse_shift, _, _ = results[1]
+    q_vals, q_scale, q_bmean, lse_shift, *_ = results[1]
   if v_in_place:  # V as given; +inf max |V| marks a non-finite channel
     v_vals = v
     v_scale = jnp.where(v_amax < jnp.inf, v_scale, jnp.nan)
@@ -270,7 +280,8 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                   q_raw=None if quantize_q else q,
                   k_mean=None if quantize_q else k_mean,
                   v_layout=layout if v_in_place else "BNTH",
-                  centred_k=(k_centred, k_mean) if centre_k else None)
+                  centred_k=(k_centred, k_mean) if centre_k else None,
+                  k_group_scales=k_grouped)
 
 
 class _PallasTritonBackend:
@@ -416,14 +427,15 @@ class _PallasTritonBackend:
     kv_lengths = quant.valid_lengths(call.kv_lengths, b, s)
     cap = call.logits_soft_cap
     if cap is None:  # K smoothed (K − k̄) in its dtype; lse₂ of its logits
-      kc, k_mean = smoothed(call.k, kv_lengths, layout, hp, s_pad)
+      kc, k_mean = smoothed(call.k, call.kv_lengths, layout, hp, s_pad)
       shift = quant.lse_shift(
           quant.zero_padding(to_canonical(call.q, layout), call.q_lengths),
           k_mean[..., :h], call.sm_scale)
     else:  # capped logits are not shift invariant: K as it is (k̄ for
       # the saved statistics' dQ correction only: quant.capped_dq_shift)
       kc = pad(call.k, s_pad)
-      k_mean = quant.sampled_mean(kc, kv_lengths, token_axis=t_ax)
+      k_mean = quant.sampled_mean(kc, call.kv_lengths, token_axis=t_ax,
+                                  tokens=s)
       shift = jnp.zeros((b, n, t), jnp.float32)
     q, v, do = pad(call.q, t_pad), pad(call.v, s_pad), pad(d_out, t_pad)
     vec = lambda x, value=0.0: pad_axis(x.astype(jnp.float32), 2, t_pad,

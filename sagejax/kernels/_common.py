@@ -11,6 +11,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from sagejax.masks import MaskSpec
 
+# Entries a Mosaic kernel step's grouped K scales take (mosaic_attention.
+# group_key_scales; the K pass may write them): a TMA copy moves a multiple
+# of 128 bytes.
+GROUP_SCALES_PER_STEP = 32
+
 
 def round_half_even(x: jax.Array, interpret: bool) -> jax.Array:
   """Rounds FP32 to the nearest integer, ties to even (as ``jnp.round``).

@@ -71,7 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sagejax import quant
 from sagejax._inputs import MAX_HEAD_DIM
 from sagejax.backends._device import sm_count
-from sagejax.kernels._common import kv_block_range
+from sagejax.kernels._common import GROUP_SCALES_PER_STEP, kv_block_range
 from sagejax.masks import MaskSpec
 
 _LOG2_P_SCALE = math.log2(quant.P_SCALE)
@@ -388,9 +388,6 @@ def _thread_key_scales(k_regs: np.ndarray) -> list:
   return out
 
 
-_GROUP_SCALES_PER_STEP = 32  # a TMA copy moves a multiple of 128 bytes
-
-
 def group_key_scales(k_scale: jax.Array, block_kv: int) -> jax.Array:
   """Per-key scales ``[B, K, S_pad]`` whose keys share one value per thread
   within each 64 (``k_scale_grouped``) → ``[B, K, steps · 32]``: for each
@@ -404,8 +401,21 @@ def group_key_scales(k_scale: jax.Array, block_kv: int) -> jax.Array:
   x = jnp.max(x, axis=(4, 6))  # [.., step, block, c]
   x = jnp.swapaxes(x, 3, 4).reshape(b, kh, steps, 4 * blocks)
   x = jnp.pad(x, ((0, 0), (0, 0), (0, 0),
-                  (0, _GROUP_SCALES_PER_STEP - 4 * blocks)))
-  return x.reshape(b, kh, steps * _GROUP_SCALES_PER_STEP)
+                  (0, GROUP_SCALES_PER_STEP - 4 * blocks)))
+  return x.reshape(b, kh, steps * GROUP_SCALES_PER_STEP)
+
+
+def uses_group_key_scales(tiling: MosaicTiling, *, k_scale_grouped: bool,
+                          smoothed_q: bool, logits_soft_cap: Optional[float],
+                          mask_or_bias: bool) -> bool:
+  """Whether :func:`attention_forward` reads :func:`group_key_scales` (its
+  unmasked steps' K scales one per thread and 64 keys): grouped K scales
+  on the register softmax's tiles, without ΔS, soft cap, mask or bias
+  array."""
+  return (tiling.group_key_scales and k_scale_grouped
+          and tiling.register_softmax and not smoothed_q
+          and logits_soft_cap is None and not mask_or_bias
+          and not tiling.overlap_qk and tiling.block_kv != 192)
 
 
 def _thread_group_scales(ref, blocks: int) -> list:
@@ -735,6 +745,7 @@ def attention_forward(
     mask: Optional[jax.Array] = None,
     bias: Optional[jax.Array] = None,
     bias_has_mask: bool = False,
+    k_group_scales: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, ...]:
   """Runs the Mosaic GPU forward on quantized inputs.
 
@@ -802,6 +813,9 @@ def attention_forward(
     bias_has_mask: ``bias``'s −inf entries are a mask folded in: they are
       selected (a NaN score there dropped, as a mask drops it); under a
       soft cap they would otherwise become −cap.
+    k_group_scales: f32 ``[B, K, S_pad / block_kv · 32]``: what
+      :func:`group_key_scales` makes of ``k_scale`` (e.g. written by the K
+      pass), taken where :func:`uses_group_key_scales`; made here if None.
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
@@ -1500,8 +1514,8 @@ def attention_forward(
                                 ks_smem.at[slot], k_bar.at[slot])
         if ksg_ref is not None:
           plgpu.copy_gmem_to_smem(
-              ksg_ref.at[batch, kv_head, pl.ds(j * _GROUP_SCALES_PER_STEP,
-                                               _GROUP_SCALES_PER_STEP)],
+              ksg_ref.at[batch, kv_head, pl.ds(j * GROUP_SCALES_PER_STEP,
+                                               GROUP_SCALES_PER_STEP)],
               ksg_smem.at[slot], k_bar.at[slot])
         if ds_ref is not None:
           plgpu.copy_gmem_to_smem(
@@ -1542,11 +1556,17 @@ def attention_forward(
                     jnp.int32(0))
 
   # The unmasked steps' K scales, one per thread and 64 keys (tiling).
-  k_group_scales = None
-  if (tiling.group_key_scales and k_scale_grouped and tiling.register_softmax
-      and delta_s is None and logits_soft_cap is None and mask is None
-      and bias is None and not tiling.overlap_qk and bkv != 192):
+  if not uses_group_key_scales(
+      tiling, k_scale_grouped=k_scale_grouped, smoothed_q=delta_s is not None,
+      logits_soft_cap=logits_soft_cap, mask_or_bias=(mask is not None
+                                                     or bias is not None)):
+    k_group_scales = None
+  elif k_group_scales is None:
     k_group_scales = group_key_scales(k_scale, bkv)
+  elif k_group_scales.shape != (b, kh, s_pad // bkv * GROUP_SCALES_PER_STEP):
+    raise ValueError(
+        f"k_group_scales of shape {k_group_scales.shape}: pass "
+        f"group_key_scales(k_scale, {bkv}) ({s_pad // bkv} steps).")
   inputs = dict(q=q, qs=q_scale, k=k, ks=k_scale, v=v, vs=v_scale, vm=v_mean,
                 ds=delta_s, vks=v_key_scale, km=k_mean, ql=q_lengths,
                 kl=kv_lengths, rs=row_shift, mk=mask, bias=bias,
@@ -1579,7 +1599,7 @@ def attention_forward(
         None if pair is None else wgmma_smem((stages, nc, bq, bkv),
                                              pair.dtype),
         None if "ksg" not in refs else plgpu.SMEM(
-            (stages, _GROUP_SCALES_PER_STEP), jnp.float32),
+            (stages, GROUP_SCALES_PER_STEP), jnp.float32),
     )
     # Q (and its scales, or K's mean), V's scales and mean, the row shifts.
     q_arrivals = 2 + sum(name in refs for name in ("qs", "km", "vm", "rs"))

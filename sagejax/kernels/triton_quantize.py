@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from sagejax import quant
 from sagejax.config import SageConfig
-from sagejax.kernels._common import round_half_even
+from sagejax.kernels._common import GROUP_SCALES_PER_STEP, round_half_even
 
 
 class Pass(NamedTuple):
@@ -184,11 +184,11 @@ def _block_abs_max(v: jax.Array, valid: jax.Array) -> jax.Array:
 
 def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
                         scale_ref, bmean_ref, shift_ref, v_amax_ref,
-                        centred_ref, *,
+                        centred_ref, group_ref, *,
                         block: int, chunks: int, config: SageConfig,
                         group_config: SageConfig, role: str,
                         scale_mult: float, shift_mult: float,
-                        interpret: bool, i=None):
+                        step_blocks: int, interpret: bool, i=None):
   i = pl.program_id(0) if i is None else i
   length = len_ref[...]
   valid = ((i * block + jnp.arange(block)) < length)[:, None]
@@ -224,6 +224,15 @@ def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
   else:
     val_ref[...] = ys[0]
   scale_ref[...] = scale * scale_mult
+  if group_ref is not None:  # group_key_scales' entries of this block
+    per_key = (scale * scale_mult).reshape(block // 64, 8, 4, 2)
+    seen = per_key == per_key
+    top = jnp.max(jnp.max(jnp.where(seen, per_key, 0.0), axis=3), axis=1)
+    nan = jnp.max(jnp.max(jnp.where(seen, 0.0, 1.0), axis=3), axis=1)
+    first = i * (block // 64) % step_blocks  # this block's 64s in the step
+    slots = (first + jnp.arange(block // 64)[:, None]
+             + step_blocks * jnp.arange(4)[None, :])  # [c][64 keys]
+    group_ref[slots] = jnp.where(nan > 0, jnp.nan, top)
   if shift_ref is not None:
     shift_ref[...] = shift * shift_mult
   if v_ref is not None:
@@ -235,14 +244,15 @@ def quantize_qk(x: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                 scale_mult: float = 1.0, k_mean: Optional[jax.Array] = None,
                 shift_mult: float = 1.0, v: Optional[jax.Array] = None,
                 rows: Optional[int] = None, num_warps: Optional[int] = None,
-                centred: bool = False, interpret: bool = False):
+                centred: bool = False, group_scale_keys: Optional[int] = None,
+                interpret: bool = False):
   """Quantizes Q or K, one block of tokens of one head per program: the
   launch of :func:`quantize_qk_pass` (same arguments and results)."""
   return run_pass(quantize_qk_pass(
       x, lengths, mean, role=role, config=config, layout=layout,
       scale_mult=scale_mult, k_mean=k_mean, shift_mult=shift_mult, v=v,
-      rows=rows, num_warps=num_warps, centred=centred, interpret=interpret),
-      interpret)
+      rows=rows, num_warps=num_warps, centred=centred,
+      group_scale_keys=group_scale_keys, interpret=interpret), interpret)
 
 
 def quantize_qk_pass(x: jax.Array, lengths: jax.Array,
@@ -252,6 +262,7 @@ def quantize_qk_pass(x: jax.Array, lengths: jax.Array,
                      shift_mult: float = 1.0, v: Optional[jax.Array] = None,
                      rows: Optional[int] = None,
                      num_warps: Optional[int] = None, centred: bool = False,
+                     group_scale_keys: Optional[int] = None,
                      interpret: bool = False) -> Pass:
   """The pass that quantizes Q or K, one block of tokens of one head per
   program (:class:`Pass`; run by :func:`run_pass` or :func:`run_passes`).
@@ -278,12 +289,19 @@ def quantize_qk_pass(x: jax.Array, lengths: jax.Array,
     centred: K only, with ``mean``: also write ``x − mean`` in ``x``'s
       dtype, shape and layout (rows past ``lengths`` 0), what the backward
       multiplies, so that it need not read K again.
+    group_scale_keys: K only: also write the Mosaic kernel's grouped key
+      scales for its steps of this many keys (a multiple of both 64 and
+      ``block_k``): what :func:`sagejax.kernels.mosaic_attention.
+      group_key_scales` makes of the scales, without its XLA kernels (the
+      padding after each step's ``4 · group_scale_keys / 64`` entries is
+      left unwritten).
 
   Returns:
     (values int8 ``[B, N, T, H]`` or INT4-packed ``[B, N, T, H/2]``, scales
     f32 ``[B, N, T]``, Q block means f32 ``[B, N, T/block_q, H]`` or None,
     row shifts f32 ``[B, N, T]`` or None, V's max |V| f32 ``[B, N, H]`` or
-    None, ``x − mean`` or None).
+    None, ``x − mean`` or None, grouped key scales f32 ``[B, N, T /
+    group_scale_keys · 32]`` or None).
   """
   if layout == "BTNH":
     b, t, n, h = x.shape
@@ -303,12 +321,20 @@ def quantize_qk_pass(x: jax.Array, lengths: jax.Array,
     raise ValueError("v (its max |V|) goes with role='k' and K's shape.")
   if centred and (role != "k" or mean is None):
     raise ValueError("centred (K − mean) goes with role='k' and a mean.")
+  if group_scale_keys is not None and (
+      role != "k" or group_scale_keys % math.lcm(64, block)
+      or t % group_scale_keys):
+    raise ValueError(
+        f"group_scale_keys={group_scale_keys} (K's grouped scales) needs "
+        f"role='k' and a multiple of 64 and block_k={block} dividing the "
+        f"{t} keys.")
+  steps = None if group_scale_keys is None else t // group_scale_keys
   g = None if k_mean is None else n // k_mean.shape[1]
   kernel = functools.partial(
       _quantize_qk_kernel, block=block, chunks=chunks, config=config,
       group_config=group_config,
       role=role, scale_mult=float(scale_mult), shift_mult=float(shift_mult),
-      interpret=interpret)
+      step_blocks=(group_scale_keys or 64) // 64, interpret=interpret)
   out_shape = [jax.ShapeDtypeStruct((b, n, t, h // chunks), jnp.int8),
                jax.ShapeDtypeStruct((b, n, t), jnp.float32)]
   out_specs = [pl.BlockSpec((None, None, block, h // chunks),
@@ -335,6 +361,11 @@ def quantize_qk_pass(x: jax.Array, lengths: jax.Array,
   out_shape.append(jax.ShapeDtypeStruct(x.shape, x.dtype) if centred
                    else None)
   out_specs.append(_token_spec(layout, block, h) if centred else None)
+  out_shape.append(None if steps is None else
+                   jax.ShapeDtypeStruct((b, n, steps * GROUP_SCALES_PER_STEP), jnp.float32))
+  out_specs.append(None if steps is None else pl.BlockSpec(
+      (None, None, GROUP_SCALES_PER_STEP),
+      lambda i, bb, nn: (bb, nn, i * block // group_scale_keys)))
   in_specs = [
       _token_spec(layout, block, h),
       pl.BlockSpec((None,), lambda i, bb, nn: (bb,)),
@@ -346,10 +377,10 @@ def quantize_qk_pass(x: jax.Array, lengths: jax.Array,
   ]
 
   def finish(outs):
-    values, scales, means, shifts, v_amax, centred_x = outs
+    values, scales, means, shifts, v_amax, centred_x, grouped = outs
     if v_amax is not None:
       v_amax = jnp.max(v_amax, axis=2)
-    return values, scales, means, shifts, v_amax, centred_x
+    return values, scales, means, shifts, v_amax, centred_x, grouped
 
   return Pass(kernel=kernel, grid=(nb, b, n),
               args=(x, lengths, mean, k_mean, v), in_specs=in_specs,
@@ -525,3 +556,4 @@ def token_statistics_pass(k: jax.Array, v: Optional[jax.Array],
               out_shape=[partial if w else None for w in wanted],
               out_specs=[spec if w else None for w in wanted], num_warps=4,
               name="sage_token_statistics", finish=finish)
+
