@@ -350,9 +350,9 @@ def sampled_mean(x: jax.Array, lengths: Optional[jax.Array] = None,
     # gather, no index arrays: small kernels fewer on a GPU).
     rows = jax.lax.slice_in_dim(x, 0, t, t // MEAN_SAMPLES, axis=axis)
   else:
-    if lengths is None:  # constant indices
-      idx = jnp.asarray(np.arange(MEAN_SAMPLES, dtype=np.int32)[None, :]
-                        * t // MEAN_SAMPLES)
+    if lengths is None:  # the same indices in every batch
+      idx = (jnp.arange(MEAN_SAMPLES, dtype=jnp.int32)[None, :]
+             * t) // MEAN_SAMPLES
     else:
       idx = (jnp.arange(MEAN_SAMPLES, dtype=jnp.int32)[None, :]
              * n_len[:, None]) // MEAN_SAMPLES  # [B, MEAN_SAMPLES], below L
@@ -452,11 +452,10 @@ def _pad_channels_even(x: jax.Array) -> jax.Array:
 
 def valid_lengths(lengths: Optional[jax.Array], batch: int, n: int
                   ) -> jax.Array:
-  """Per-batch valid lengths, int32 ``[B]``; ``n`` where none were given,
-  as a constant (under ``jit``, no kernel makes it)."""
+  """Per-batch valid lengths, int32 ``[B]``; ``n`` where none were given."""
   if lengths is not None:
     return lengths.astype(jnp.int32)
-  return jnp.asarray(np.full((batch,), n, np.int32))
+  return jnp.full((batch,), n, jnp.int32)
 
 
 def quantize_q(q: jax.Array, config: SageConfig, sm_scale: float,
