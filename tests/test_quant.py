@@ -268,9 +268,9 @@ def test_sampled_mean(next_key):
 @pytest.mark.parametrize("t", [17, 300, 2 * quant.MEAN_SAMPLES])
 def test_sampled_mean_without_lengths(next_key, t):
   """Without lengths (a strided slice where T is a multiple of
-  MEAN_SAMPLES, constant indices otherwise) the mean is bit for bit that
-  of lengths all T, under jit too; ``tokens`` takes it over the first
-  tokens of a padded ``x``."""
+  MEAN_SAMPLES, the same gathered tokens in every batch otherwise) the
+  mean is bit for bit that of lengths all T, under jit too; ``tokens``
+  takes it over the first tokens of a padded ``x``."""
   x = jax.random.normal(next_key(), (2, t, 3, 8)) * 3 + 1
   x = x.at[0, t // 2, 1].set(jnp.nan)
   full = jnp.full((2,), t, jnp.int32)
