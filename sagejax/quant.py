@@ -349,13 +349,10 @@ def sampled_mean(x: jax.Array, lengths: Optional[jax.Array] = None,
     # Every batch whole: the tokens i·t/MEAN_SAMPLES, a strided slice (no
     # gather, no index arrays: small kernels fewer on a GPU).
     rows = jax.lax.slice_in_dim(x, 0, t, t // MEAN_SAMPLES, axis=axis)
-  else:
-    if lengths is None:  # the same indices in every batch
-      idx = (jnp.arange(MEAN_SAMPLES, dtype=jnp.int32)[None, :]
-             * t) // MEAN_SAMPLES
-    else:
-      idx = (jnp.arange(MEAN_SAMPLES, dtype=jnp.int32)[None, :]
-             * n_len[:, None]) // MEAN_SAMPLES  # [B, MEAN_SAMPLES], below L
+  else:  # [B | 1, MEAN_SAMPLES], below L
+    length = t if lengths is None else n_len[:, None]
+    idx = (jnp.arange(MEAN_SAMPLES, dtype=jnp.int32)[None, :]
+           * length) // MEAN_SAMPLES
     shape = [1] * x.ndim
     shape[0], shape[axis] = idx.shape
     rows = jnp.take_along_axis(x, idx.reshape(shape), axis=axis)

@@ -54,7 +54,7 @@ from sagejax.backends.pallas_triton import (Prepared, pad_axis, pairwise,
                                             v_read_in_place)
 from sagejax.config import SageConfig
 from sagejax.kernels import mosaic_backward, triton_backward
-from sagejax.kernels._common import GROUP_SCALES_PER_STEP, next_pow2
+from sagejax.kernels._common import next_pow2
 from sagejax.kernels.mosaic_attention import (MosaicTiling, QuantizeQ,
                                               attention_forward,
                                               uses_group_key_scales)
@@ -348,10 +348,6 @@ class _MosaicBackend:
       q, q_layout = prepared.q_raw, call.layout
       quantize_q = quantize_q_in_kernel(call, config)
     cap, shift = call.logits_soft_cap, qkv.lse_shift
-    grouped = prepared.k_group_scales  # for prepare's tiling's steps
-    if grouped is not None and grouped.shape[-1] != (
-        qkv.k.shape[2] // tiling.block_kv * GROUP_SCALES_PER_STEP):
-      grouped = None  # the kernel groups its own
     row_shift = None  # with a cap, K smoothing's shift goes in before it
     if cap is not None and shift is not None:
       row_shift = pad_axis(shift, 2, qkv.q.shape[2])  # Q by the pass
@@ -370,7 +366,7 @@ class _MosaicBackend:
               else (prepared.mask != 0).astype(jnp.bfloat16)),
         bias=bias_tiles(prepared.bias, prepared.mask, cap),
         bias_has_mask=prepared.bias is not None and prepared.mask is not None,
-        k_group_scales=grouped)
+        k_group_scales=prepared.k_group_scales)
     if call.layout == "BTNH":
       out = out[:, :t, :, :h]
     else:

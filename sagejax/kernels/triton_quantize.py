@@ -223,9 +223,10 @@ def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
     val_ref[...] = (ys[0] & jnp.int8(0x0F)) | (ys[1] << jnp.int8(4))
   else:
     val_ref[...] = ys[0]
-  scale_ref[...] = scale * scale_mult
+  scaled = scale * scale_mult
+  scale_ref[...] = scaled
   if group_ref is not None:  # group_key_scales' entries of this block
-    per_key = (scale * scale_mult).reshape(block // 64, 8, 4, 2)
+    per_key = scaled.reshape(block // 64, 8, 4, 2)
     seen = per_key == per_key
     top = jnp.max(jnp.max(jnp.where(seen, per_key, 0.0), axis=3), axis=1)
     nan = jnp.max(jnp.max(jnp.where(seen, 0.0, 1.0), axis=3), axis=1)
