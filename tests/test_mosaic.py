@@ -55,20 +55,25 @@ def test_pv_key_order_is_the_register_relabelling():
     mosaic_attention.pv_key_order(24)
 
 
-@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
-def test_quantize_v_in_wgmma_key_order(layout):
+@pytest.mark.parametrize("layout,block,warps", [
+    ("BTNH", None, 4), ("BNTH", None, 4), ("BTNH", 128, 8), ("BNTH", 64, 8)])
+def test_quantize_v_in_wgmma_key_order(layout, block, warps):
   """The Triton V kernel's permuted, transposed FP8 store == quant.py's V
-  with the keys reordered."""
+  with the keys reordered, in programs of ``block_k`` or of other sizes
+  (the Mosaic backend's: V's scales are per channel over all tokens), keys
+  past a batch's length 0."""
   config = SageConfig(block_q=32, block_k=32)
-  _, k, v = _data(2, 8, 64, 2, 2, 64, layout=layout, dtype=jnp.float32)
+  _, k, v = _data(2, 8, 256, 2, 2, 64, layout=layout, dtype=jnp.float32)
   call = _inputs.parse(v[:, :8] if layout == "BTNH" else v[:, :, :8], k, v,
                        layout=layout)
+  lengths = jnp.array([256, 144], jnp.int32)
   v_canon = call.canonical()[2]
-  want, scale, _ = quant.quantize_v(v_canon, config)
+  want, scale, _ = quant.quantize_v(v_canon, config, lengths)
   got = triton_quantize.quantize_v(
-      v, jnp.array([64, 64], jnp.int32), None, scale, config=config,
-      layout=layout, transpose=True, wgmma_key_order=True, interpret=True)
-  order = mosaic_attention.pv_key_order(64)
+      v, lengths, None, scale, config=config, layout=layout, transpose=True,
+      wgmma_key_order=True, interpret=True, block=block, num_warps=warps)
+  assert not np.asarray(got[1, :, :, 144:], np.float32).any()  # 16s kept
+  order = mosaic_attention.pv_key_order(256)
   np.testing.assert_array_equal(
       np.asarray(got, np.float32),
       np.asarray(jnp.swapaxes(want[:, :, order], 2, 3), np.float32))

@@ -125,21 +125,19 @@ def test_token_statistics_match_quant(layout):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
-def test_passes_in_one_launch_equal_the_passes_alone(layout):
-  """``run_passes`` (the K pass with K − k̄, V's statistics and the Q pass
-  with its LSE shift, one interpreted launch of differently shaped grids:
-  GQA, T ≠ S, Q rows 64, K and statistics blocks of 32) gives each pass's
-  results bit for bit, NaN and Inf tokens and lengths included."""
+def _check_passes_in_one_launch(layout: str, interpret: bool,
+                                dtype=jnp.float32):
+  """``run_passes`` against each pass run alone, bit for bit (see below)."""
   config = PRESETS["sage2-8b"].replace(block_q=64, block_k=32)
-  q, k, v = _data(2, 128, 96, 4, 2, 64, kind="channel_bias", layout=layout)
+  q, k, v = _data(2, 128, 96, 4, 2, 64, kind="channel_bias", layout=layout,
+                  dtype=dtype)
   t_ax = 1 if layout == "BTNH" else 2
   k = k.at[(0, 5, 1) if t_ax == 1 else (0, 1, 5)].set(jnp.inf)
   v = v.at[(1, 7, 0) if t_ax == 1 else (1, 0, 7)].set(jnp.nan)
   q_len, kv_len = jnp.array([128, 70], jnp.int32), jnp.array([96, 40],
                                                                jnp.int32)
   k_mean = quant.sampled_mean(k, kv_len, token_axis=t_ax)
-  kw = dict(config=config, layout=layout, interpret=True)
+  kw = dict(config=config, layout=layout, interpret=interpret)
   passes = [
       triton_quantize.quantize_qk_pass(k, kv_len, k_mean, role="k",
                                        centred=True, **kw),
@@ -149,13 +147,32 @@ def test_passes_in_one_launch_equal_the_passes_alone(layout):
       triton_quantize.quantize_qk_pass(q, q_len, None, role="q",
                                        scale_mult=0.3, k_mean=k_mean,
                                        shift_mult=0.125, **kw)]
-  together = triton_quantize.run_passes(passes, interpret=True)
-  alone = [triton_quantize.run_pass(p, interpret=True) for p in passes]
+  alone = [triton_quantize.run_pass(p, interpret=interpret) for p in passes]
+  if not interpret:
+    testing.poison_device_memory(2 ** 26)
+  together = triton_quantize.run_passes(passes, interpret=interpret)
   assert together[1][1] is not None and together[2][3] is not None
   for got, want in zip(jax.tree.leaves(together), jax.tree.leaves(alone)):
     np.testing.assert_array_equal(got, want)
   assert len(jax.tree.leaves(together)) == 8  # K 3, statistics 2, Q 3
   assert np.isinf(together[1][2][1, 0]).any()
+
+
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+def test_passes_in_one_launch_equal_the_passes_alone(layout):
+  """``run_passes`` (the K pass with K − k̄, V's statistics and the Q pass
+  with its LSE shift, one interpreted launch of differently shaped grids:
+  GQA, T ≠ S, Q rows 64, K and statistics blocks of 32) gives each pass's
+  results bit for bit, NaN and Inf tokens and lengths included."""
+  _check_passes_in_one_launch(layout, interpret=True)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+def test_gpu_passes_in_one_launch_equal_the_passes_alone(layout):
+  """As above, compiled for the GPU, bf16 inputs, outputs poisoned."""
+  _check_passes_in_one_launch(layout, interpret=False, dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("layout", ["BTNH", "BNTH"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -160,6 +161,14 @@ def v_read_in_place(call: ParsedCall, config: SageConfig, head_dim: int,
           and h == head_dim and s % s_multiple == 0)
 
 
+# V's pass for the Mosaic kernel (transposed FP8 V in its key order): a
+# program of this many values (tokens = V_PASS_VALUES / head dim, at least
+# block_k) on V_PASS_WARPS warps (NOTES Mosaic section 52, H200: the pass
+# 7% faster at H=128 than 64 tokens on 4 warps, 15% at H=64).
+V_PASS_VALUES = 8192
+V_PASS_WARPS = 8
+
+
 def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                     t_multiple: int, s_multiple: int, v_transposed: bool,
                     v_store_dtype=None, v_wgmma_key_order: bool = False,
@@ -254,11 +263,15 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
     v_vals = v
     v_scale = jnp.where(v_amax < jnp.inf, v_scale, jnp.nan)
   else:
+    v_block, v_warps = config.block_k, 4
+    if v_wgmma_key_order:
+      v_block = max(v_block, V_PASS_VALUES // head_dim)
+      v_block, v_warps = math.gcd(v_block, s_pad), V_PASS_WARPS
     v_vals = triton_quantize.quantize_v(
         v, kv_lengths, v_mean, v_scale, config=config, layout=layout,
         transpose=v_transposed, store_dtype=v_store_dtype,
         wgmma_key_order=v_wgmma_key_order, interpret=interpret,
-        return_nonfinite=not fp8)
+        return_nonfinite=not fp8, block=v_block, num_warps=v_warps)
     if not fp8:
       v_vals, nonfinite = v_vals
       v_scale = jnp.where(jnp.max(nonfinite, axis=2) > 0, jnp.nan, v_scale)

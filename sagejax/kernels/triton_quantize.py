@@ -67,8 +67,8 @@ def run_passes(passes: Sequence[Pass], interpret: bool = False) -> list:
   stores where the kernel reads and writes; the interpreter stores back
   what it loaded). Saves the launches and the ramps between them (the
   forward end to end 3-4% faster at 1k, 2.7% at 4k on an H100;
-  benchmarks/NOTES.md, Mosaic section 27). Returns each pass's results,
-  in order."""
+  benchmarks/NOTES.md, Mosaic section 27; on 8 warps 20-25% slower than
+  on 4: section 52). Returns each pass's results, in order."""
   if len(passes) == 1:
     return [run_pass(passes[0], interpret)]
   sizes = [math.prod(p.grid) for p in passes]
@@ -415,7 +415,8 @@ def _quantize_v_kernel(v_ref, len_ref, mean_ref, scale_ref, out_ref,
 def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                scale: jax.Array, *, config: SageConfig, layout: str,
                transpose: bool, store_dtype=None, wgmma_key_order: bool = False,
-               interpret: bool = False, return_nonfinite: bool = False):
+               interpret: bool = False, return_nonfinite: bool = False,
+               block: Optional[int] = None, num_warps: int = 4):
   """V to the P·V operand type, one block of tokens of one head per program.
 
   Args:
@@ -430,9 +431,12 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
     wgmma_key_order: store the keys of every group of 16 in the order of
       :func:`sagejax.kernels.mosaic_attention.pv_key_order` (the Mosaic
       kernel's in-register P̃ operand).
-    return_nonfinite: also return f32 ``[B, K, S/block_k, H]``, 1 where a
+    return_nonfinite: also return f32 ``[B, K, S/block, H]``, 1 where a
       block of a channel holds a NaN or Inf (16-bit V has no scale pass over
       all tokens to catch it; see :func:`sagejax.quant.unit_v_scale`).
+    block: tokens a program, dividing S (default ``block_k``; V's scales
+      are per channel over all tokens, so any block gives the same values).
+    num_warps: warps a program runs.
 
   Returns:
     the values; with ``return_nonfinite``, ``(values, nonfinite)``.
@@ -441,7 +445,9 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
     b, s, kh, h = v.shape
   else:
     b, kh, s, h = v.shape
-  block = config.block_k
+  block = block or config.block_k
+  if s % block:
+    raise ValueError(f"{s} keys is not a multiple of block={block}.")
   fp8 = config.pv_dtype == "fp8_e4m3"
   dtype = store_dtype or quant.PV_OPERAND_DTYPES[config.pv_dtype]
   if transpose:
@@ -470,7 +476,8 @@ def quantize_v(v: jax.Array, lengths: jax.Array, mean: Optional[jax.Array],
                 None if mean is None else head, head],
       out_specs=[out_spec, bad_spec], out_shape=[out_shape, bad_shape],
       interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                           num_stages=1),
       name="sage_quantize_v",
   )(v, lengths, mean, scale)
   return (values, bad) if return_nonfinite else values
