@@ -79,6 +79,26 @@ def test_quantize_v_in_wgmma_key_order(layout, block, warps):
       np.asarray(jnp.swapaxes(want[:, :, order], 2, 3), np.float32))
 
 
+@pytest.mark.parametrize("preset,rows", [("sage2-8b", 64), ("sage1", 128)])
+def test_q_pass_runs_the_mosaic_backends_rows(monkeypatch, preset, rows):
+  """The Mosaic backend's Q pass holds ``mosaic.Q_PASS_ROWS`` rows a
+  program where Q's groups allow (sage2-8b's 32-row warps), ``block_q``
+  where they do not (sage1's per-block groups)."""
+  seen = []
+  original = triton_quantize.quantize_qk_pass
+
+  def spy(*args, **kwargs):
+    if kwargs["role"] == "q":
+      seen.append(kwargs["rows"])
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(triton_quantize, "quantize_qk_pass", spy)
+  q, k, v = _data(1, 256, 256, 2, 2, 128, dtype=jnp.bfloat16)
+  call = _inputs.parse(q, k, v)
+  jax.jit(lambda: mosaic.BACKEND.prepare(call, PRESETS[preset])).trace()
+  assert seen == [rows] and mosaic.Q_PASS_ROWS == 64
+
+
 def test_kv_block_range_matches_mask_rule():
   """Visited blocks hold every visible key; unmasked ones only visible keys."""
   rng = np.random.default_rng(0)

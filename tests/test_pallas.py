@@ -294,6 +294,20 @@ def test_q_pass_in_programs_smaller_than_a_block(granularity, rows):
     run(rows=16)
 
 
+def test_q_rows_halve_block_q_as_far_as_the_groups_allow():
+  """``q_rows``: ``block_q`` halved above 128 × 128 values or ``max_rows``
+  rows, never below a group (sage2-8b: 32-row warps; per-block groups:
+  the whole block)."""
+  sage2 = PRESETS["sage2-8b"]
+  assert sage2.block_q == 128 and triton_quantize.q_program_rows(sage2) == 32
+  assert triton_quantize.q_rows(sage2, 128) == 128
+  assert triton_quantize.q_rows(sage2, 256) == 64
+  assert triton_quantize.q_rows(sage2, 128, max_rows=64) == 64
+  assert triton_quantize.q_rows(sage2, 64, max_rows=16) == 32
+  per_block = sage2.replace(qk_granularity="per_block")
+  assert triton_quantize.q_rows(per_block, 128, max_rows=64) == 128
+
+
 MASKS = [
     dict(is_causal=False),
     dict(is_causal=True),

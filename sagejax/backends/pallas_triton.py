@@ -175,6 +175,7 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                     quantize_q: bool = True, v_in_place: bool = False,
                     centre_k: bool = False,
                     group_scale_keys: Optional[int] = None,
+                    q_pass_rows: Optional[int] = None,
                     interpret: bool = False) -> Prepared:
   """Smooths and quantizes Q, K, V with the Pallas (Triton) kernels.
 
@@ -193,6 +194,8 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   backward multiplies. ``group_scale_keys``: the K pass also writes the
   Mosaic kernel's grouped K scales for its steps of so many keys
   (``Prepared.k_group_scales``; :func:`triton_quantize.quantize_qk_pass`).
+  ``q_pass_rows``: the most rows a program of the Q pass holds where Q's
+  groups allow (:func:`triton_quantize.q_rows`; default ``block_q``).
   """
   b, n, t, h, kh, s = call.dims
   layout = call.layout
@@ -236,7 +239,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
     passes.append(triton_quantize.quantize_qk_pass(
         q, q_lengths, None, role="q", config=config, layout=layout,
         scale_mult=call.sm_scale * quant.LOG2E, k_mean=k_mean,
-        shift_mult=call.sm_scale, interpret=interpret))
+        shift_mult=call.sm_scale,
+        rows=triton_quantize.q_rows(config, head_dim, q_pass_rows),
+        interpret=interpret))
   statistics = config.smooth_v or fp8
   if statistics:
     passes.append(triton_quantize.token_statistics_pass(

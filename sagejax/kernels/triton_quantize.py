@@ -133,7 +133,7 @@ def _warps(block: int, h: int) -> int:
   """Warps for a program holding a ``[block, h]`` f32 tile: 4 up to 128
   values a thread, else 8 (a Q block of 128 tokens at H=256 on 4 warps ran
   the Q pass at 4.5x its H=128 time on an H100, on 8 at 3.0x; in programs
-  of 64 tokens on 4, :func:`_q_rows`, near K's time: benchmarks/NOTES.md,
+  of 64 tokens on 4, :func:`q_rows`, near K's time: benchmarks/NOTES.md,
   Mosaic sections 18 and 23)."""
   return 8 if block * h > 128 * 128 else 4
 
@@ -150,13 +150,18 @@ def q_program_rows(config: SageConfig) -> int:
   return config.rows_per_warp
 
 
-def _q_rows(config: SageConfig, h: int) -> int:
-  """Rows of a Q program by default: ``block_q`` up to 128 × 128 values,
-  fewer above where the groups allow (H=256: 64 rows on 4 warps, the
-  forward end to end 2-3.5% faster than with 128 rows on 8 warps on an
-  H100; benchmarks/NOTES.md, Mosaic section 23)."""
+def q_rows(config: SageConfig, h: int, max_rows: Optional[int] = None
+           ) -> int:
+  """Rows of a Q program: ``block_q``, halved while the program holds more
+  than 128 × 128 values or ``max_rows`` rows and the groups allow
+  (:func:`q_program_rows`). Above 128 × 128 values (H=256: 64 rows on 4
+  warps) the forward ran end to end 2-3.5% faster than with 128 rows on 8
+  warps on an H100 (benchmarks/NOTES.md, Mosaic section 23); 64 rows at
+  H=64 and 128 made the launch of the K and Q passes with V's statistics
+  11-12% faster on an H200 (section 52)."""
   rows = config.block_q
-  while rows * h > 128 * 128 and rows // 2 >= q_program_rows(config):
+  while ((rows * h > 128 * 128 or (max_rows is not None and rows > max_rows))
+         and rows // 2 >= q_program_rows(config)):
     rows //= 2  # powers of two: still a multiple of q_program_rows
   return rows
 
@@ -311,7 +316,7 @@ def quantize_qk_pass(x: jax.Array, lengths: jax.Array,
   if rows is not None and role != "q":
     raise ValueError("rows (a Q program's rows) is for role='q' only; K's "
                      "groups span block_k.")
-  block = rows or (_q_rows(config, h) if role == "q" else config.block_k)
+  block = rows or (q_rows(config, h) if role == "q" else config.block_k)
   group_config = _group_config(config, role, block)
   nb = t // block
   chunks = 2 if config.qk_dtype == "int4" else 1
