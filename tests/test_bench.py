@@ -335,6 +335,19 @@ def test_device_time_splits_the_trace_into_blocks(tmp_path):
   assert device_time.gpu_events(str(tmp_path / "none")) == []
 
 
+def test_device_time_rounds_vary_each_functions_predecessor():
+  """Every round runs each function once, and across rounds each function
+  follows several others (a rotation kept one predecessor throughout)."""
+  names = ["a", "b", "c", "cudnn"]
+  orders = device_time.round_orders(names, 10)
+  assert all(sorted(o) == sorted(names) for o in orders)
+  assert orders == device_time.round_orders(names, 10)  # seeded
+  flat = [name for o in orders for name in o]
+  for name in names:
+    before = {flat[i - 1] for i in range(1, len(flat)) if flat[i] == name}
+    assert len(before) >= 2, (name, before)
+
+
 def test_device_clock_needs_a_gpu():
   with pytest.raises(ValueError, match="pass 'wall' or 'device'"):
     timing.TimingConfig(clock="host")

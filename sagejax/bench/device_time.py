@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 
 Event = tuple[str, float, float]  # (name, start µs, duration µs)
 
@@ -78,15 +79,31 @@ def block_spans(events: Sequence[Event], gap_us: float
   return blocks
 
 
+def round_orders(names: Sequence[str], rounds: int, seed: int = 0
+                 ) -> list[list[str]]:
+  """The order of ``names`` in each of ``rounds`` rounds: a seeded random
+  permutation each, so that no function always follows the same one.
+
+  (A rotation, the order before, keeps the cyclic order: one function then
+  follows the same other in almost every round. On an H200 a forward timed
+  right after cuDNN's, whose power draw lowers the clocks for longer than
+  the 30 ms gap, read 3-7% slower at 4k and H=64 16k: benchmarks/NOTES.md,
+  Mosaic section 52.)"""
+  rng = np.random.default_rng(seed)
+  return [[names[i] for i in rng.permutation(len(names))]
+          for _ in range(rounds)]
+
+
 def interleaved(fns: Mapping[str, Callable[..., Any]],
                 arg_sets: Sequence[tuple], rounds: int, calls: int,
                 gap_s: float = 0.03) -> dict[str, list[float]]:
   """Device seconds per call of each of ``fns`` (compiled and warmed up),
   one value per round: ``rounds`` rounds of a block of ``calls`` calls of
-  each function in turn (each round starting at the next function), call
-  ``i`` of a block on ``arg_sets[i % len(arg_sets)]``, each block waited
-  for and followed by ``gap_s`` of idle, all in one profiler trace. A drift
-  of the device's clocks then falls on every function alike.
+  each function in turn (in each round's order of :func:`round_orders`),
+  call ``i`` of a block on ``arg_sets[i % len(arg_sets)]``, each block
+  waited for and followed by ``gap_s`` of idle, all in one profiler trace.
+  A drift of the device's clocks, and what one function's blocks leave of
+  it for the next, then fall on every function alike.
 
   Raises RuntimeError where the trace holds no GPU kernels (a CPU backend),
   or where its idle gaps do not split it into the blocks that ran.
@@ -95,8 +112,8 @@ def interleaved(fns: Mapping[str, Callable[..., Any]],
   order = []
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d, create_perfetto_trace=True):
-      for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+      for round_order in round_orders(names, rounds):
+        for name in round_order:
           out = None
           for i in range(calls):
             out = fns[name](*arg_sets[i % len(arg_sets)])
