@@ -269,9 +269,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
     v_scale = jnp.where(v_amax < jnp.inf, v_scale, jnp.nan)
   else:
     v_block, v_warps = config.block_k, 4
-    if v_wgmma_key_order:
-      v_block = max(v_block, V_PASS_VALUES // head_dim)
-      v_block, v_warps = math.gcd(v_block, s_pad), V_PASS_WARPS
+    if v_wgmma_key_order:  # the Mosaic kernel's V
+      v_block = math.gcd(max(v_block, V_PASS_VALUES // head_dim), s_pad)
+      v_warps = V_PASS_WARPS
     v_vals = triton_quantize.quantize_v(
         v, kv_lengths, v_mean, v_scale, config=config, layout=layout,
         transpose=v_transposed, store_dtype=v_store_dtype,

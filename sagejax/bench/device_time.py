@@ -87,7 +87,7 @@ def round_orders(names: Sequence[str], rounds: int, seed: int = 0
   (A rotation, the order before, keeps the cyclic order: one function then
   follows the same other in almost every round. On an H200 a forward timed
   right after cuDNN's, whose power draw lowers the clocks for longer than
-  the 30 ms gap, read 3-7% slower at 4k and H=64 16k: benchmarks/NOTES.md,
+  the 30 ms gap, read 2-7% slower at 4k and H=64 16k: benchmarks/NOTES.md,
   Mosaic section 52.)"""
   rng = np.random.default_rng(seed)
   return [[names[i] for i in rng.permutation(len(names))]
