@@ -161,14 +161,6 @@ def v_read_in_place(call: ParsedCall, config: SageConfig, head_dim: int,
           and h == head_dim and s % s_multiple == 0)
 
 
-# V's pass for the Mosaic kernel (transposed FP8 V in its key order): a
-# program of this many values (tokens = V_PASS_VALUES / head dim, at least
-# block_k) on V_PASS_WARPS warps (NOTES Mosaic section 52, H200: the pass
-# 7% faster at H=128 than 64 tokens on 4 warps, 15% at H=64).
-V_PASS_VALUES = 8192
-V_PASS_WARPS = 8
-
-
 def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                     t_multiple: int, s_multiple: int, v_transposed: bool,
                     v_store_dtype=None, v_wgmma_key_order: bool = False,
@@ -176,6 +168,7 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
                     centre_k: bool = False,
                     group_scale_keys: Optional[int] = None,
                     q_pass_rows: Optional[int] = None,
+                    v_pass: Optional[tuple[int, int]] = None,
                     interpret: bool = False) -> Prepared:
   """Smooths and quantizes Q, K, V with the Pallas (Triton) kernels.
 
@@ -196,6 +189,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
   (``Prepared.k_group_scales``; :func:`triton_quantize.quantize_qk_pass`).
   ``q_pass_rows``: the most rows a program of the Q pass holds where Q's
   groups allow (:func:`triton_quantize.q_rows`; default ``block_q``).
+  ``v_pass``: (values, warps) of a program of V's pass: ``values / head_dim``
+  tokens (at least ``block_k``, dividing the padded keys; default
+  ``block_k`` tokens on 4 warps).
   """
   b, n, t, h, kh, s = call.dims
   layout = call.layout
@@ -269,9 +265,9 @@ def quantize_inputs(call: ParsedCall, config: SageConfig, *, head_dim: int,
     v_scale = jnp.where(v_amax < jnp.inf, v_scale, jnp.nan)
   else:
     v_block, v_warps = config.block_k, 4
-    if v_wgmma_key_order:  # the Mosaic kernel's V
-      v_block = math.gcd(max(v_block, V_PASS_VALUES // head_dim), s_pad)
-      v_warps = V_PASS_WARPS
+    if v_pass is not None:
+      v_block = math.gcd(max(v_block, v_pass[0] // head_dim), s_pad)
+      v_warps = v_pass[1]
     v_vals = triton_quantize.quantize_v(
         v, kv_lengths, v_mean, v_scale, config=config, layout=layout,
         transpose=v_transposed, store_dtype=v_store_dtype,
