@@ -99,6 +99,25 @@ def test_q_pass_runs_the_mosaic_backends_rows(monkeypatch, preset, rows):
   assert seen == [rows] and mosaic.Q_PASS_ROWS == 64
 
 
+@pytest.mark.parametrize("h,warps", [(64, 2), (128, 4), (256, 4)])
+def test_first_launch_warps_follow_the_programs_values(monkeypatch, h, warps):
+  """The launch of the K and Q passes with V's statistics runs on 2 warps
+  where its programs hold 64 × 64 values (H=64, Q in 64-row programs), else
+  4 (up to 64 × 256 at H=256; benchmarks/NOTES.md, Mosaic section 53)."""
+  seen = []
+  original = triton_quantize.run_passes
+
+  def spy(passes, interpret=False):
+    seen.append([p.num_warps for p in passes])
+    return original(passes, interpret)
+
+  monkeypatch.setattr(triton_quantize, "run_passes", spy)
+  q, k, v = _data(1, 256, 256, 2, 2, h, dtype=jnp.bfloat16)
+  call = _inputs.parse(q, k, v)
+  jax.jit(lambda: mosaic.BACKEND.prepare(call, PRESETS["sage2-8b"])).trace()
+  assert len(seen) == 1 and len(seen[0]) == 3 and max(seen[0]) == warps
+
+
 def test_kv_block_range_matches_mask_rule():
   """Visited blocks hold every visible key; unmasked ones only visible keys."""
   rng = np.random.default_rng(0)

@@ -130,12 +130,17 @@ def _token_spec(layout: str, block: int, h: int, head_of=lambda n: n):
 
 
 def _warps(block: int, h: int) -> int:
-  """Warps for a program holding a ``[block, h]`` f32 tile: 4 up to 128
-  values a thread, else 8 (a Q block of 128 tokens at H=256 on 4 warps ran
-  the Q pass at 4.5x its H=128 time on an H100, on 8 at 3.0x; in programs
-  of 64 tokens on 4, :func:`q_rows`, near K's time: benchmarks/NOTES.md,
-  Mosaic sections 18 and 23)."""
-  return 8 if block * h > 128 * 128 else 4
+  """Warps for a program holding a ``[block, h]`` f32 tile: 2 up to 64 × 64
+  values, 4 up to 128 × 128, else 8.
+
+  A Q block of 128 tokens at H=256 on 4 warps ran the Q pass at 4.5x its
+  H=128 time on an H100, on 8 at 3.0x; in programs of 64 tokens on 4,
+  :func:`q_rows`, near K's time (benchmarks/NOTES.md, Mosaic sections 18
+  and 23). At H=64, the launch of the K and Q passes with V's statistics in
+  programs of 64 × 64 values ran 5-7% faster on 2 warps than on 4 on an
+  H200, and 12-39% slower on 2 or 8 at H=128 (sections 52 and 53)."""
+  values = block * h
+  return 2 if values <= 64 * 64 else 4 if values <= 128 * 128 else 8
 
 
 def q_program_rows(config: SageConfig) -> int:
@@ -567,6 +572,7 @@ def token_statistics_pass(k: jax.Array, v: Optional[jax.Array],
                         None if v is None else _token_spec(layout, block, h),
                         pl.BlockSpec((None,), lambda i, bb, nn: (bb,))],
               out_shape=[partial if w else None for w in wanted],
-              out_specs=[spec if w else None for w in wanted], num_warps=4,
+              out_specs=[spec if w else None for w in wanted],
+              num_warps=_warps(block, h),
               name="sage_token_statistics", finish=finish)
 
