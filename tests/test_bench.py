@@ -335,6 +335,49 @@ def test_device_time_splits_the_trace_into_blocks(tmp_path):
   assert device_time.gpu_events(str(tmp_path / "none")) == []
 
 
+def test_device_time_sums_each_modules_kernels_per_block(tmp_path):
+  """``module_blocks``: per block of kernels between idle gaps, µs by XLA
+  module and kernel name (a layer's attention among its matmuls)."""
+  def kernel(name, ts, dur, module):
+    return {"ph": "X", "pid": 1, "name": name, "ts": ts, "dur": dur,
+            "args": {"hlo_module": module}}
+  events = [
+      {"ph": "M", "name": "process_name", "pid": 1,
+       "args": {"name": "/device:GPU:0"}},
+      kernel("gemm", 0.0, 50.0, "jit_project"),
+      kernel("quantize", 50.0, 7.0, "jit_attend"),
+      kernel("attention", 58.0, 30.0, "jit_attend"),
+      kernel("gemm", 90.0, 80.0, "jit_mlp"),
+      kernel("quantize", 170.0, 6.0, "jit_attend"),
+      kernel("gemm", 90000.0, 40.0, "jit_project"),
+      {"ph": "X", "pid": 1, "name": "no_module", "ts": 90050.0, "dur": 2.0},
+  ]
+  trace_dir = tmp_path / "plugins" / "profile" / "run"
+  trace_dir.mkdir(parents=True)
+  with gzip.open(trace_dir / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  blocks = device_time.module_blocks(str(tmp_path), 1000.0)
+  assert blocks == [
+      {"jit_project": {"gemm": 50.0}, "jit_mlp": {"gemm": 80.0},
+       "jit_attend": {"quantize": 13.0, "attention": 30.0}},
+      {"jit_project": {"gemm": 40.0}, "?": {"no_module": 2.0}}]
+
+
+def test_layer_clock_stacks_layers_around_each_attention(monkeypatch):
+  """benchmarks/layer_clock.py: the layer loop runs (on the CPU, sagejax's
+  default there) with each attention variant, output shape kept."""
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1]
+                                  / "benchmarks"))
+  import layer_clock  # pylint: disable=import-outside-toplevel
+  for variant in ("sagejax", "none"):
+    run, x = layer_clock.layer_stack(1, 128, 2, 64, variant)
+    y = run(x, 2)
+    assert y.shape == x.shape == (1, 128, 128)
+    assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+  with pytest.raises(ValueError, match="pass one of"):
+    layer_clock.attention_fn("flash")
+
+
 def test_device_time_rounds_vary_each_functions_predecessor():
   """Every round runs each function once, and across rounds each function
   follows several others (a rotation kept one predecessor throughout)."""

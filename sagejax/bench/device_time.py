@@ -31,10 +31,8 @@ import numpy as np
 Event = tuple[str, float, float]  # (name, start µs, duration µs)
 
 
-def gpu_events(trace_dir: str) -> list[Event]:
-  """The GPU kernels and device-to-device copies of the newest trace under
-  ``trace_dir`` (``jax.profiler.trace(..., create_perfetto_trace=True)``),
-  by start time."""
+def _gpu_records(trace_dir: str) -> list[dict]:
+  """The raw trace events of :func:`gpu_events`, by start time."""
   paths = sorted(
       glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
                 recursive=True) +
@@ -58,8 +56,38 @@ def gpu_events(trace_dir: str) -> list[Event]:
       if name.startswith("$") or "Stream" in name or (
           "Memcpy" in name and "DtoD" not in name):
         continue
-      out.append((name, float(e.get("ts", 0)), float(e["dur"])))
-  return sorted(out, key=lambda x: x[1])
+      out.append(e)
+  return sorted(out, key=lambda e: float(e.get("ts", 0)))
+
+
+def gpu_events(trace_dir: str) -> list[Event]:
+  """The GPU kernels and device-to-device copies of the newest trace under
+  ``trace_dir`` (``jax.profiler.trace(..., create_perfetto_trace=True)``),
+  by start time."""
+  return [(str(e.get("name", "?")), float(e.get("ts", 0)), float(e["dur"]))
+          for e in _gpu_records(trace_dir)]
+
+
+def module_blocks(trace_dir: str, gap_us: float
+                  ) -> list[dict[str, dict[str, float]]]:
+  """Per group of GPU events that idle gaps longer than ``gap_us`` separate
+  (a block of calls, as in :func:`block_spans`): µs of kernel time by XLA
+  module (the trace's ``hlo_module``, e.g. ``jit_attend``) and kernel name,
+  ``{module: {kernel: µs}}``. Where one jitted function's kernels run among
+  others' (a model's layers), this is that function's own device time."""
+  blocks: list[dict[str, dict[str, float]]] = []
+  end = None
+  for e in _gpu_records(trace_dir):
+    ts, dur = float(e.get("ts", 0)), float(e["dur"])
+    if end is None or ts - end > gap_us:
+      blocks.append({})
+      end = ts + dur
+    end = max(end, ts + dur)
+    module = str(e.get("args", {}).get("hlo_module", "?"))
+    kernels = blocks[-1].setdefault(module, {})
+    name = str(e.get("name", "?"))
+    kernels[name] = kernels.get(name, 0.0) + dur
+  return blocks
 
 
 def block_spans(events: Sequence[Event], gap_us: float

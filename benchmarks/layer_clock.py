@@ -1,0 +1,178 @@
+"""Attention's device time inside a transformer layer's loop (GPU only).
+
+    PYTHONPATH=$PWD python benchmarks/layer_clock.py [--shapes "B,S,N,H;..."]
+        [--layers 8] [--rounds 5] [--out DIR]
+
+Timed alone, attention runs at clocks set by its own power draw: in short
+blocks near the device's top clock, back to back at its power cap, and cuDNN
+and sagejax throttle differently (benchmarks/NOTES.md, Mosaic sections 45
+and 52). In a model it runs between projections and an MLP, whose matmuls
+set the clocks. Here each layer is an RMS norm and a QKV projection
+(``jit_project``), attention (``jit_attend``: sagejax's default, cuDNN's bf16,
+or ``none``, a cheap stand-in), and an output projection with a 4x GELU MLP
+(``jit_mlp``), d_model = N·H. For each shape, blocks of ``--layers`` layers
+run back to back under one profiler trace, the three variants in a shuffled
+order each of ``--rounds`` rounds; attention's time is the sum of its own
+module's kernels per layer (gaps between them not counted), its median over
+the rounds. Attention alone, in shuffled device-time rounds, is timed in the
+same process beside it. Prints a table; writes ``layer_clock.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sagejax
+from sagejax import testing
+from sagejax.bench import device_time
+
+VARIANTS = ("sagejax", "cudnn", "none")
+
+
+def attention_fn(variant: str):
+  """``(q, k, v) -> out``, ``[B, T, N, H]``, for one variant."""
+  if variant == "sagejax":
+    return lambda q, k, v: sagejax.attention(q, k, v)
+  if variant == "cudnn":
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, implementation="cudnn")
+  if variant == "none":  # an elementwise stand-in of attention's shape
+    return lambda q, k, v: q + v
+  raise ValueError(f"variant {variant!r}: pass one of {VARIANTS}.")
+
+
+def layer_stack(b: int, t: int, n: int, h: int, variant: str):
+  """``(run(x, layers) -> x, x)``: ``layers`` transformer layers on
+  ``x [B, T, N·H]`` bf16, attention by ``variant``, one weight set shared by
+  all layers (what is timed is the kernels, not the weights' values)."""
+  d = n * h
+  keys = jax.random.split(jax.random.PRNGKey(0), 5)
+
+  def weight(key, rows, cols):
+    w = jax.random.normal(key, (rows, cols), jnp.float32) / np.sqrt(rows)
+    return w.astype(jnp.bfloat16)
+
+  w_qkv, w_out = weight(keys[0], d, 3 * d), weight(keys[1], d, d)
+  w_up, w_down = weight(keys[2], d, 4 * d), weight(keys[3], 4 * d, d)
+
+  def project(x):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)
+    y = (xf.astype(jnp.bfloat16) @ w_qkv).reshape(b, t, 3, n, h)
+    return y[:, :, 0], y[:, :, 1], y[:, :, 2]
+
+  def attend(q, k, v):
+    return attention_fn(variant)(q, k, v)
+
+  def mlp(o, x):
+    x = x + o.reshape(b, t, d) @ w_out
+    return (x + jax.nn.gelu(x @ w_up) @ w_down) * 0.5
+
+  project, attend, mlp = jax.jit(project), jax.jit(attend), jax.jit(mlp)
+
+  def run(x, layers: int):
+    for _ in range(layers):
+      x = mlp(attend(*project(x)), x)
+    return x
+
+  x = jax.random.normal(keys[4], (b, t, d), jnp.bfloat16)
+  return run, x
+
+
+def attention_in_layers(shape, layers: int, rounds: int,
+                        gap_s: float = 0.05) -> dict:
+  """Per variant: attention's kernels' µs per layer (each round's), its
+  kernels by name (medians), and the layers' device span per layer."""
+  runs = {}
+  for variant in VARIANTS:
+    run, x = layer_stack(*shape, variant)
+    jax.block_until_ready(run(x, 2))
+    runs[variant] = (run, x)
+  order = []
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for round_order in device_time.round_orders(VARIANTS, rounds):
+        for variant in round_order:
+          run, x = runs[variant]
+          jax.block_until_ready(run(x, layers))
+          time.sleep(gap_s)
+          order.append(variant)
+    # A stray event in a gap (the profiler's own copies) is no block.
+    blocks = [blk for blk in device_time.module_blocks(d, gap_s * 1e6 / 3)
+              if "jit_attend" in blk]
+  if len(blocks) != len(order):
+    raise RuntimeError(f"{len(blocks)} blocks of kernels in the trace for "
+                       f"{len(order)} run")
+  out = {v: {"attention_us": [], "kernels": {}} for v in VARIANTS}
+  for variant, blk in zip(order, blocks):
+    kernels = blk.get("jit_attend", {})
+    out[variant]["attention_us"].append(sum(kernels.values()) / layers)
+    for name, us in kernels.items():
+      out[variant]["kernels"].setdefault(name, []).append(us / layers)
+  for v in VARIANTS:
+    out[v]["kernels"] = {k: float(np.median(x))
+                         for k, x in out[v]["kernels"].items()}
+  return out
+
+
+def attention_alone(shape, rounds: int) -> dict[str, float]:
+  """µs per call of sagejax's and cuDNN's attention alone (device time,
+  shuffled rounds, :func:`sagejax.bench.device_time.interleaved`)."""
+  b, t, n, h = shape
+  q, k, v = testing.make_qkv(jax.random.PRNGKey(1), b, t, t, n, n, h,
+                             "normal", jnp.bfloat16)
+  fns = {name: jax.jit(attention_fn(name)) for name in ("sagejax", "cudnn")}
+  for f in fns.values():
+    jax.block_until_ready(f(q, k, v))
+  calls = 20 if t <= 4096 else 5
+  per_call = device_time.interleaved(fns, [(q, k, v)], rounds, calls)
+  return {name: float(np.median(x)) * 1e6 for name, x in per_call.items()}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--shapes", default="4,1024,32,128;4,4096,32,128;"
+                 "4,16384,32,128;4,16384,32,64")
+  p.add_argument("--layers", type=int, default=8)
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--out", default=os.environ.get("OUT", "layer_clock_out"))
+  args = p.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  rows = []
+  for text in args.shapes.split(";"):
+    shape = tuple(int(x) for x in text.split(","))
+    layers = args.layers * max(1, 4096 // shape[1])  # blocks of ≥ ~10 ms
+    in_layers = attention_in_layers(shape, layers, args.rounds)
+    alone = attention_alone(shape, max(args.rounds, 6))
+    rows.append(dict(shape=shape, layers=layers, in_layers=in_layers,
+                     alone_us=alone))
+    with open(os.path.join(args.out, "layer_clock.json"), "w") as f:
+      json.dump(rows, f, indent=1)
+  print("\n| B,S,N,H | in layers: sagejax µs | cuDNN µs | × cuDNN "
+        "| alone: sagejax µs | cuDNN µs | × cuDNN |")
+  print("|---|---|---|---|---|---|---|")
+  for row in rows:
+    med = {v: float(np.median(row["in_layers"][v]["attention_us"]))
+           for v in ("sagejax", "cudnn")}
+    alone = row["alone_us"]
+    print(f"| {','.join(map(str, row['shape']))} | {med['sagejax']:.1f} | "
+          f"{med['cudnn']:.1f} | {med['cudnn'] / med['sagejax']:.3f} | "
+          f"{alone['sagejax']:.1f} | {alone['cudnn']:.1f} | "
+          f"{alone['cudnn'] / alone['sagejax']:.3f} |")
+  for row in rows:
+    kernels = row["in_layers"]["sagejax"]["kernels"]
+    top = sorted(kernels.items(), key=lambda x: -x[1])[:4]
+    print(",".join(map(str, row["shape"])), "sagejax's kernels in layers, "
+          "µs:", {name[:48]: round(us, 1) for name, us in top})
+
+
+if __name__ == "__main__":
+  main()
