@@ -49,10 +49,14 @@ def attention_fn(variant: str):
   raise ValueError(f"variant {variant!r}: pass one of {VARIANTS}.")
 
 
-def layer_stack(b: int, t: int, n: int, h: int, variant: str):
+def layer_stack(b: int, t: int, n: int, h: int, variant: str,
+                matmuls: bool = True):
   """``(run(x, layers) -> x, x)``: ``layers`` transformer layers on
   ``x [B, T, N·H]`` bf16, attention by ``variant``, one weight set shared by
-  all layers (what is timed is the kernels, not the weights' values)."""
+  all layers (what is timed is the kernels, not the weights' values).
+  ``matmuls=False``: the projections and the MLP become elementwise ops of
+  the same shapes (a control: attention's neighbours without their power
+  draw)."""
   d = n * h
   keys = jax.random.split(jax.random.PRNGKey(0), 5)
 
@@ -66,13 +70,18 @@ def layer_stack(b: int, t: int, n: int, h: int, variant: str):
   def project(x):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)
-    y = (xf.astype(jnp.bfloat16) @ w_qkv).reshape(b, t, 3, n, h)
+    xb = xf.astype(jnp.bfloat16)
+    if not matmuls:
+      return tuple((xb * c).reshape(b, t, n, h) for c in (1.0, 0.5, 0.25))
+    y = (xb @ w_qkv).reshape(b, t, 3, n, h)
     return y[:, :, 0], y[:, :, 1], y[:, :, 2]
 
   def attend(q, k, v):
     return attention_fn(variant)(q, k, v)
 
   def mlp(o, x):
+    if not matmuls:
+      return (x + o.reshape(b, t, d)) * 0.5
     x = x + o.reshape(b, t, d) @ w_out
     return (x + jax.nn.gelu(x @ w_up) @ w_down) * 0.5
 
@@ -88,12 +97,12 @@ def layer_stack(b: int, t: int, n: int, h: int, variant: str):
 
 
 def attention_in_layers(shape, layers: int, rounds: int,
-                        gap_s: float = 0.05) -> dict:
+                        gap_s: float = 0.05, matmuls: bool = True) -> dict:
   """Per variant: attention's kernels' µs per layer (each round's), its
   kernels by name (medians), and the layers' device span per layer."""
   runs = {}
   for variant in VARIANTS:
-    run, x = layer_stack(*shape, variant)
+    run, x = layer_stack(*shape, variant, matmuls)
     jax.block_until_ready(run(x, 2))
     runs[variant] = (run, x)
   order = []
@@ -144,6 +153,9 @@ def main():
   p.add_argument("--layers", type=int, default=8)
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--out", default=os.environ.get("OUT", "layer_clock_out"))
+  p.add_argument("--without-matmuls", action="store_true",
+                 help="also time layers whose projections and MLP are "
+                      "elementwise ops (is it the matmuls' clocks?)")
   args = p.parse_args()
   os.makedirs(args.out, exist_ok=True)
   rows = []
@@ -151,9 +163,11 @@ def main():
     shape = tuple(int(x) for x in text.split(","))
     layers = args.layers * max(1, 4096 // shape[1])  # blocks of ≥ ~10 ms
     in_layers = attention_in_layers(shape, layers, args.rounds)
+    light = (attention_in_layers(shape, layers, args.rounds, matmuls=False)
+             if args.without_matmuls else None)
     alone = attention_alone(shape, max(args.rounds, 6))
     rows.append(dict(shape=shape, layers=layers, in_layers=in_layers,
-                     alone_us=alone))
+                     without_matmuls=light, alone_us=alone))
     with open(os.path.join(args.out, "layer_clock.json"), "w") as f:
       json.dump(rows, f, indent=1)
   print("\n| B,S,N,H | in layers: sagejax µs | cuDNN µs | × cuDNN "
@@ -167,6 +181,13 @@ def main():
           f"{med['cudnn']:.1f} | {med['cudnn'] / med['sagejax']:.3f} | "
           f"{alone['sagejax']:.1f} | {alone['cudnn']:.1f} | "
           f"{alone['cudnn'] / alone['sagejax']:.3f} |")
+  for row in rows:
+    if row["without_matmuls"]:
+      med = {v: float(np.median(row["without_matmuls"][v]["attention_us"]))
+             for v in ("sagejax", "cudnn")}
+      print(",".join(map(str, row["shape"])), "in layers without matmuls, "
+            f"µs: sagejax {med['sagejax']:.1f}, cuDNN {med['cudnn']:.1f}, "
+            f"× cuDNN {med['cudnn'] / med['sagejax']:.3f}")
   for row in rows:
     kernels = row["in_layers"]["sagejax"]["kernels"]
     top = sorted(kernels.items(), key=lambda x: -x[1])[:4]

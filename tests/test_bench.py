@@ -370,10 +370,11 @@ def test_layer_clock_stacks_layers_around_each_attention(monkeypatch):
                                   / "benchmarks"))
   import layer_clock  # pylint: disable=import-outside-toplevel
   for variant in ("sagejax", "none"):
-    run, x = layer_clock.layer_stack(1, 128, 2, 64, variant)
-    y = run(x, 2)
-    assert y.shape == x.shape == (1, 128, 128)
-    assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+    for matmuls in (True, False):
+      run, x = layer_clock.layer_stack(1, 128, 2, 64, variant, matmuls)
+      y = run(x, 2)
+      assert y.shape == x.shape == (1, 128, 128)
+      assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
   with pytest.raises(ValueError, match="pass one of"):
     layer_clock.attention_fn("flash")
 
