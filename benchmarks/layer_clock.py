@@ -1,7 +1,7 @@
 """Attention's device time inside a transformer layer's loop (GPU only).
 
     PYTHONPATH=$PWD python benchmarks/layer_clock.py [--shapes "B,S,N,H;..."]
-        [--layers 8] [--rounds 5] [--out DIR]
+        [--layers 8] [--rounds 5] [--without-matmuls] [--out DIR]
 
 Timed alone, attention runs at clocks set by its own power draw: in short
 blocks near the device's top clock, back to back at its power cap, and cuDNN
@@ -15,7 +15,10 @@ run back to back under one profiler trace, the three variants in a shuffled
 order each of ``--rounds`` rounds; attention's time is the sum of its own
 module's kernels per layer (gaps between them not counted), its median over
 the rounds. Attention alone, in shuffled device-time rounds, is timed in the
-same process beside it. Prints a table; writes ``layer_clock.json``.
+same process beside it. ``--without-matmuls`` also times layers whose
+projections and MLP are elementwise ops of the same shapes: whether what
+changes attention's time in layers is the matmuls (section 53: it is).
+Prints a table; writes ``layer_clock.json``.
 """
 
 from __future__ import annotations
@@ -98,8 +101,8 @@ def layer_stack(b: int, t: int, n: int, h: int, variant: str,
 
 def attention_in_layers(shape, layers: int, rounds: int,
                         gap_s: float = 0.05, matmuls: bool = True) -> dict:
-  """Per variant: attention's kernels' µs per layer (each round's), its
-  kernels by name (medians), and the layers' device span per layer."""
+  """Per variant: attention's kernels' µs per layer (one value a round)
+  and each of its kernels' µs per layer by name (medians)."""
   runs = {}
   for variant in VARIANTS:
     run, x = layer_stack(*shape, variant, matmuls)
