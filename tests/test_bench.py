@@ -369,13 +369,26 @@ def test_layer_clock_stacks_layers_around_each_attention(monkeypatch):
   monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1]
                                   / "benchmarks"))
   import layer_clock  # pylint: disable=import-outside-toplevel
-  for variant, matmuls in (("sagejax", True), ("none", False)):
-    run, x = layer_clock.layer_stack(1, 128, 2, 64, variant, matmuls)
+  for variant, matmuls, probes in (("sagejax", True, False),
+                                   ("none", False, True)):
+    run, x = layer_clock.layer_stack(1, 128, 2, 64, variant, matmuls, probes)
     y = run(x, 2)
     assert y.shape == x.shape == (1, 128, 128)
     assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
   with pytest.raises(ValueError, match="pass one of"):
     layer_clock.attention_fn("flash")
+  # The probe's chain (interpreted here): a fixed point of a·0.999999 + 1e-6.
+  out = layer_clock.clock_probe("probe_test")(jnp.ones((32,), jnp.float32))
+  np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-3)
+  # Clocks from probe durations: the shortest probe at the top clock.
+  row = {"in_layers": {"sagejax": {"probe_before_us": [12.0, 12.0],
+                                   "probe_after_us": [10.0]}},
+         "without_matmuls": {"sagejax": {"probe_before_us": [10.0],
+                                         "probe_after_us": [10.0]}}}
+  clocks = layer_clock.probe_clocks(row)
+  assert clocks["in_layers sagejax"] == {"before": 1650.0, "after": 1980.0}
+  assert clocks["without_matmuls sagejax"] == {"before": 1980.0,
+                                               "after": 1980.0}
 
 
 def test_device_time_rounds_vary_each_functions_predecessor():
