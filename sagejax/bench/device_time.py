@@ -68,6 +68,21 @@ def gpu_events(trace_dir: str) -> list[Event]:
           for e in _gpu_records(trace_dir)]
 
 
+def _gap_groups(events: Sequence[tuple], gap_us: float) -> list[list]:
+  """``events`` (``(name, start µs, duration µs, ...)``, by start time) in
+  groups that idle gaps longer than ``gap_us`` separate."""
+  groups: list[list] = []
+  end = None
+  for event in events:
+    ts, dur = event[1], event[2]
+    if end is None or ts - end > gap_us:
+      groups.append([])
+      end = ts + dur
+    groups[-1].append(event)
+    end = max(end, ts + dur)
+  return groups
+
+
 def module_blocks(trace_dir: str, gap_us: float
                   ) -> list[dict[str, dict[str, float]]]:
   """Per group of GPU events that idle gaps longer than ``gap_us`` separate
@@ -75,18 +90,16 @@ def module_blocks(trace_dir: str, gap_us: float
   module (the trace's ``hlo_module``, e.g. ``jit_attend``) and kernel name,
   ``{module: {kernel: µs}}``. Where one jitted function's kernels run among
   others' (a model's layers), this is that function's own device time."""
-  blocks: list[dict[str, dict[str, float]]] = []
-  end = None
-  for e in _gpu_records(trace_dir):
-    ts, dur = float(e.get("ts", 0)), float(e["dur"])
-    if end is None or ts - end > gap_us:
-      blocks.append({})
-      end = ts + dur
-    end = max(end, ts + dur)
-    module = str(e.get("args", {}).get("hlo_module", "?"))
-    kernels = blocks[-1].setdefault(module, {})
-    name = str(e.get("name", "?"))
-    kernels[name] = kernels.get(name, 0.0) + dur
+  events = [(str(r.get("name", "?")), float(r.get("ts", 0)), float(r["dur"]),
+             str(r.get("args", {}).get("hlo_module", "?")))
+            for r in _gpu_records(trace_dir)]
+  blocks = []
+  for group in _gap_groups(events, gap_us):
+    kernels: dict[str, dict[str, float]] = {}
+    for name, _, dur, module in group:
+      per_module = kernels.setdefault(module, {})
+      per_module[name] = per_module.get(name, 0.0) + dur
+    blocks.append(kernels)
   return blocks
 
 
@@ -94,17 +107,8 @@ def block_spans(events: Sequence[Event], gap_us: float
                 ) -> list[tuple[float, int]]:
   """(span in µs from first start to last end, event count) of each group
   of ``events`` that idle gaps longer than ``gap_us`` separate."""
-  blocks, start, end, count = [], None, None, 0
-  for _, ts, dur in events:
-    if start is not None and ts - end > gap_us:
-      blocks.append((end - start, count))
-      start = None
-    if start is None:
-      start, end, count = ts, ts + dur, 0
-    end, count = max(end, ts + dur), count + 1
-  if start is not None:
-    blocks.append((end - start, count))
-  return blocks
+  return [(max(ts + dur for _, ts, dur in group) - group[0][1], len(group))
+          for group in _gap_groups(events, gap_us)]
 
 
 def round_orders(names: Sequence[str], rounds: int, seed: int = 0
