@@ -121,8 +121,9 @@ def layer_stack(b: int, t: int, n: int, h: int, variant: str,
     return (x + jax.nn.gelu(x @ w_up) @ w_down) * 0.5
 
   project, attend, mlp = jax.jit(project), jax.jit(attend), jax.jit(mlp)
-  before, after = clock_probe("probe_before"), clock_probe("probe_after")
   probe_x = jnp.ones((32,), jnp.float32)
+  before, after = ((clock_probe("probe_before"), clock_probe("probe_after"))
+                   if probes else (None, None))
 
   def run(x, layers: int):
     for _ in range(layers):
