@@ -84,7 +84,7 @@ TilingSpec = Union[MosaicTiling, Callable[[ParsedCall, SageConfig],
 
 def parse_variant(spec: str) -> tuple[TilingSpec, SageConfig]:
   """``"bkv=64,stages=3,regs=240/24,sched=0,expturn=1,overlap=1,rs=0,qk=1,
-  nc=3,persist=1,ctas=132"``
+  nc=3,persist=1,ctas=132,ahint=1"``
   → (MosaicTiling, sage2-8b config): the named fields over
   ``MosaicTiling()``'s defaults, which are *not* the backend's choice for a
   call. A spec starting with ``default`` (``"default,idle=0"``) names fields
@@ -141,6 +141,8 @@ def parse_variant(spec: str) -> tuple[TilingSpec, SageConfig]:
       kw["skip_idle_rows"] = bool(int(value))
     elif name == "gks":  # unmasked steps' K scales grouped before the kernel
       kw["group_key_scales"] = bool(int(value))
+    elif name == "ahint":  # α times the grouped scales' 1.0 (alpha_hint)
+      kw["alpha_hint"] = bool(int(value))
     else:
       raise ValueError(f"unknown variant field {name!r}")
   if relative:

@@ -766,6 +766,7 @@ def test_long_calls_take_three_consumers(h):
   assert (three.num_consumers, three.schedule_barrier, three.schedule_exp,
           three.persistent, three.consumer_registers, three.block_kv,
           three.group_key_scales) == (3, True, True, True, 160, 128, True)
+  assert three.alpha_hint == (h > 64)  # NOTES Mosaic section 55
   for queries, keys, consumers in (
       (400, mosaic.THREE_PHASE_MIN_KEYS, 3),
       (400, mosaic.THREE_PHASE_MIN_KEYS - 1, 2),
@@ -846,7 +847,8 @@ def test_tree3_takes_three_values_at_a_time(n):
 def test_group_key_scales_are_each_threads_maxima(block_kv):
   """Per KV step, lane class c = (key mod 8) // 2 and 64 keys: the maximum
   of those 16 keys' scales, a NaN (a non-finite key's scale) kept, in the
-  order [c][64 keys] and padded to 32 values a step (one TMA copy)."""
+  order [c][64 keys] and padded to 32 values a step (one TMA copy), the
+  last 1.0 (``MosaicTiling.alpha_hint``)."""
   s = 2 * block_kv
   ks = jax.random.uniform(jax.random.PRNGKey(7), (2, 3, s), jnp.float32)
   ks = ks.at[1, 2, 64 + 8 * 3 + 2 * 1 + 1].set(jnp.nan)
@@ -862,7 +864,8 @@ def test_group_key_scales_are_each_threads_maxima(block_kv):
         want = ks[:, :, keys].max(axis=-1)  # NaN propagates
         np.testing.assert_array_equal(
             got[:, :, 32 * step + blocks * c + blk], want)
-    assert not np.any(got[:, :, 32 * step + 4 * blocks:32 * (step + 1)])
+    pad = got[:, :, 32 * step + 4 * blocks:32 * (step + 1)]
+    assert not np.any(pad[..., :-1]) and np.all(pad[..., -1] == 1.0)
   assert np.isnan(got).sum() == 1  # the NaN key's group, nothing else
 
 
@@ -1279,6 +1282,10 @@ KERNEL_TILINGS = {
     "persistent_three_consumers_exp_turns_5_ctas": MosaicTiling(
         persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
         producer_registers=32, schedule_exp=True),
+    # the same with α times the grouped scales' 1.0 (the H=128 default)
+    "persistent_three_consumers_alpha_hint_5_ctas": MosaicTiling(
+        persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
+        producer_registers=32, schedule_exp=True, alpha_hint=True),
     # every step reduces its per-key scales in the kernel
     "per_key_scales": MosaicTiling(group_key_scales=False),
     "persistent_per_key_scales": MosaicTiling(
@@ -1334,6 +1341,10 @@ H64_KERNEL_TILINGS = {
     "persistent_three_consumers_exp_turns_5_ctas": MosaicTiling(
         persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
         producer_registers=32, schedule_exp=True),
+    # the same with α times the grouped scales' 1.0 (the H=128 default)
+    "persistent_three_consumers_alpha_hint_5_ctas": MosaicTiling(
+        persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
+        producer_registers=32, schedule_exp=True, alpha_hint=True),
 }
 
 
@@ -1372,6 +1383,35 @@ def test_gpu_kernel_alone_matches_xla_arithmetic(tiling, window):
   _check_kernel_alone(KERNEL_TILINGS[tiling], window, 128,
                       ONE_LEVEL_PV.get(tiling, 5e-3),
                       two_level=tiling not in ONE_LEVEL_PV)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("window", [False, True])
+def test_gpu_alpha_hint_changes_no_value(window):
+  """``alpha_hint`` multiplies the accumulator's α by a 1.0 read from
+  shared memory: the three-phase kernel's output and LSE are bit for bit
+  those without it on the same inputs (its speed: NOTES Mosaic section
+  55)."""
+  config = PRESETS["sage2-8b"]
+  b, t, s, n, kh, h = 2, 768, 768, 4, 2, 128
+  qkv, spec, lengths, _, _, v_t = _kernel_case(
+      config, (b, t, s, n, kh, h), "channel_bias", window)
+  outs = []
+  for hint in (False, True):
+    tiling = MosaicTiling(persistent=True, num_ctas=5, num_consumers=3,
+                          consumer_registers=160, producer_registers=32,
+                          schedule_exp=True, alpha_hint=hint)
+    testing.poison_device_memory(b * n * t * h * 4 * 4)
+    outs.append(jax.jit(lambda *a, tiling=tiling:
+                        mosaic_attention.attention_forward(
+                            *a, spec, q_lengths=lengths[0],
+                            kv_lengths=lengths[1], out_dtype=jnp.float32,
+                            k_scale_grouped=True, tiling=tiling))(
+        qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, v_t, qkv.v_scale, None,
+        None))
+  for without, with_hint in zip(*outs):
+    np.testing.assert_array_equal(np.asarray(with_hint), np.asarray(without))
 
 
 @gpu

@@ -16,7 +16,7 @@ import sagejax
 from sagejax import PRESETS, SageConfig, _inputs, quant, testing
 from sagejax.backends import pallas_triton, xla
 from sagejax.kernels import triton_attention, triton_quantize
-from sagejax.kernels._common import GROUP_SCALES_PER_STEP
+from sagejax.kernels._common import GROUP_SCALES_ONE, GROUP_SCALES_PER_STEP
 from sagejax.masks import MaskSpec
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -210,8 +210,8 @@ def _check_k_pass_group_scales(layout: str, block_k: int, step_keys: int,
                                interpret: bool):
   """The K pass's grouped scales (``group_scale_keys``) against
   ``group_key_scales`` of its per-key scales, on the entries the Mosaic
-  kernel reads (a step's first 4 · step_keys / 64), NaN keys and lengths
-  included."""
+  kernel reads (a step's first 4 · step_keys / 64, and its last, 1.0), NaN
+  keys and lengths included."""
   from sagejax.kernels.mosaic_attention import group_key_scales
   config = PRESETS["sage2-8b"].replace(block_k=block_k)
   _, k, _ = _data(2, 8, 512, 2, 2, 64, kind="channel_bias", layout=layout,
@@ -230,6 +230,9 @@ def _check_k_pass_group_scales(layout: str, block_k: int, step_keys: int,
   grouped = np.asarray(got[6]).reshape(shape)
   np.testing.assert_array_equal(grouped[..., :used], want[..., :used])
   assert np.isnan(grouped[..., :used]).sum() == 2  # one group a bad key
+  # the 1.0 the kernel's alpha_hint reads
+  np.testing.assert_array_equal(grouped[..., GROUP_SCALES_ONE], 1.0)
+  np.testing.assert_array_equal(want[..., GROUP_SCALES_ONE], 1.0)
   assert got[6].shape == (2, 2, 512 // step_keys * GROUP_SCALES_PER_STEP)
 
 

@@ -111,13 +111,14 @@ def default_tiling(head_dim: int, config: SageConfig,
   from 8192 keys (section 40: once the masked steps stopped spilling,
   +12-13% at 8k and 16k over two consumers on the hardware's grid;
   section 42, H=64: +4-8% over its 256-key steps at 4k-16k, +3% at 16k
-  causal). Other calls of at most 4096 keys whose tiles' work
-  the kernel knows run the persistent grid with
-  two consumers at 240/24 registers (section 11, H100: FP8 P·V kernel
-  +10% at 1k, +2% at 4k, −1% at 16k; 16-bit P·V +8% at 2k, +3% at 4k;
-  section 15: causal tiles dealt heaviest first, back and forth, +3-6% at
-  4k, equal at 16k), Q quantized by the pass. Off the persistent grid, a
-  16-bit P·V kernel quantizes Q itself where
+  causal); above H=64 with ``alpha_hint`` (section 55: kernel −1.5 to
+  −2.8% at 4k and 16k, −1% at 16k causal; slower at H=64). Other calls
+  of at most 4096 keys whose tiles' work the kernel knows run the
+  persistent grid with two consumers at 240/24 registers (section 11,
+  H100: FP8 P·V kernel +10% at 1k, +2% at 4k, −1% at 16k; 16-bit P·V
+  +8% at 2k, +3% at 4k; section 15: causal tiles dealt heaviest first,
+  back and forth, +3-6% at 4k, equal at 16k), Q quantized by the pass.
+  Off the persistent grid, a 16-bit P·V kernel quantizes Q itself where
   :func:`quantize_q_in_kernel` allows (B21; on the persistent grid that
   measured 5-15% slower, section 15). Above H=128, FP8 P·V and its
   two-level accumulation run in parts of 32 output columns (section 18,
@@ -143,7 +144,8 @@ def default_tiling(head_dim: int, config: SageConfig,
       and three_consumers_pay(call.dims[2])):
     return MosaicTiling(block_kv=128, num_stages=2, num_consumers=3,
                         consumer_registers=160, producer_registers=32,
-                        schedule_exp=True, persistent=True)
+                        schedule_exp=True, persistent=True,
+                        alpha_hint=head_dim > 64)
   if head_dim <= 64:
     # A soft cap or a mask array: every step per key (no grouped softmax).
     per_key = call is not None and (call.logits_soft_cap is not None

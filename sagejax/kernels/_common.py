@@ -15,6 +15,9 @@ from sagejax.masks import MaskSpec
 # group_key_scales; the K pass may write them): a TMA copy moves a multiple
 # of 128 bytes.
 GROUP_SCALES_PER_STEP = 32
+# The last of them holds 1.0, which the kernel multiplies into its
+# accumulator's α (``MosaicTiling.alpha_hint``); at most 16 are scales.
+GROUP_SCALES_ONE = GROUP_SCALES_PER_STEP - 1
 
 
 def round_half_even(x: jax.Array, interpret: bool) -> jax.Array:

@@ -71,7 +71,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sagejax import quant
 from sagejax._inputs import MAX_HEAD_DIM
 from sagejax.backends._device import sm_count
-from sagejax.kernels._common import GROUP_SCALES_PER_STEP, kv_block_range
+from sagejax.kernels._common import (GROUP_SCALES_ONE, GROUP_SCALES_PER_STEP,
+                                     kv_block_range)
 from sagejax.masks import MaskSpec
 
 _LOG2_P_SCALE = math.log2(quant.P_SCALE)
@@ -152,6 +153,14 @@ class MosaicTiling:
       take two cheaper tiles are not those that take one more full one
       (kernel +0.6-0.8% at 4k and 16k, H=64 and 128; benchmarks/NOTES.md,
       Mosaic section 48). Not with ``overlap_qk``.
+    alpha_hint: where the unmasked steps read the grouped K scales, the
+      accumulator's α is multiplied by the 1.0 that ends each step's
+      grouped scales (``GROUP_SCALES_ONE``), read from shared memory beside
+      them: the values do not change (outputs bit for bit the same), but
+      ptxas then spreads the conversions of the sums among the
+      exponentials (benchmarks/NOTES.md, Mosaic section 55: three-phase
+      kernel at H=128 −1.5 to −2.8% at 4k and 16k, −1% at 16k causal; +1-2%
+      at H=64, +3.5% with two consumers, where it stays off).
     num_ctas: with ``persistent``, the grid's CTAs (at most one per tile);
       None: one per SM of the device seen when tracing (132, an H100's or
       H200's, without a GPU: a program exported from a CPU host for a GPU
@@ -176,6 +185,7 @@ class MosaicTiling:
   group_key_scales: bool = True
   overlap_epilogues: bool = True
   skip_idle_rows: bool = True
+  alpha_hint: bool = False
 
   def __post_init__(self):
     if self.persistent and self.overlap_qk:
@@ -394,14 +404,16 @@ def group_key_scales(k_scale: jax.Array, block_kv: int) -> jax.Array:
   KV step of ``block_kv`` keys, lane class ``c = (key mod 8) // 2`` and 64
   keys, the maximum over its 16 keys (a NaN, the scale of a non-finite key,
   propagates), ordered ``[c][64 keys]`` inside a step so that a thread's
-  values are adjacent (then zeros up to 32 values a step)."""
+  values are adjacent (then zeros up to 32 values a step, the last 1.0:
+  ``MosaicTiling.alpha_hint``)."""
   b, kh, s = k_scale.shape
   blocks, steps = block_kv // 64, s // block_kv
   x = k_scale.reshape(b, kh, steps, blocks, 8, 4, 2)
   x = jnp.max(x, axis=(4, 6))  # [.., step, block, c]
   x = jnp.swapaxes(x, 3, 4).reshape(b, kh, steps, 4 * blocks)
-  x = jnp.pad(x, ((0, 0), (0, 0), (0, 0),
-                  (0, GROUP_SCALES_PER_STEP - 4 * blocks)))
+  pad = jnp.zeros((b, kh, steps, GROUP_SCALES_PER_STEP - 4 * blocks),
+                  x.dtype).at[..., GROUP_SCALES_ONE - 4 * blocks].set(1.0)
+  x = jnp.concatenate([x, pad], axis=3)
   return x.reshape(b, kh, steps * GROUP_SCALES_PER_STEP)
 
 
@@ -497,7 +509,7 @@ def _row_array(values, rows: int):
 
 
 def grouped_logits(sums: jax.Array, q_scale: jax.Array, k_scale,
-                   from_ref: bool = False) -> tuple[jax.Array, jax.Array]:
+                   from_ref: bool = False, read_one: bool = False) -> tuple:
   """For the INT32 Q·Kᵀ sums ``sums [64, N]`` (WGMMA layout), ``q_scale
   [64]`` and a ``k_scale [N]`` whose keys share one value per thread within
   each 64 (see above): ``max over keys of sums · k_scale`` per row (NaN
@@ -507,8 +519,12 @@ def grouped_logits(sums: jax.Array, q_scale: jax.Array, k_scale,
   ``VIMNMX3``), not waiting for the sums' conversion to f32; the same
   values, as every sum below 2**24 converts exactly.
   ``from_ref``: ``k_scale`` is a shared-memory ref to the step's
-  :func:`group_key_scales` (``[N / 16]``) instead."""
+  :func:`group_key_scales` (``[N / 16]``) instead; ``read_one`` (with it):
+  also return its entry ``GROUP_SCALES_ONE`` (a 1.0) as a ``[64]`` row
+  array (``MosaicTiling.alpha_hint``)."""
   rows, n = sums.shape
+  if read_one and not from_ref:
+    raise ValueError("read_one reads the step's grouped scales: from_ref.")
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1),
@@ -518,7 +534,10 @@ def grouped_logits(sums: jax.Array, q_scale: jax.Array, k_scale,
           plgpu.ShapeDtypeStruct((rows,), jnp.float32,
                                  layout=plgpu.Layout.WGMMA.reduce(1)),
           plgpu.ShapeDtypeStruct((rows, n), jnp.float32,
-                                 layout=plgpu.Layout.WGMMA)))
+                                 layout=plgpu.Layout.WGMMA))
+      + ((plgpu.ShapeDtypeStruct((rows,), jnp.float32,
+                                 layout=plgpu.Layout.WGMMA.reduce(1)),)
+         if read_one else ()))
   def grouped(_, sums, q, k):
     mgpu, fa, ir, arith, _ = _mgpu()
     s_regs = _wgmma_rows(sums.registers)
@@ -544,7 +563,13 @@ def grouped_logits(sums: jax.Array, q_scale: jax.Array, k_scale,
           flat[i, r] = product
     scales = mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT,
                                   _is_signed=None)
-    return _row_array(row_max, rows), scales
+    if not read_one:
+      return _row_array(row_max, rows), scales
+    vector = _mgpu()[4]
+    one = _element(vector.load(
+        ir.VectorType.get((1,), ir.F32Type.get()), k,
+        [arith.constant(ir.IndexType.get(), GROUP_SCALES_ONE)]))
+    return _row_array(row_max, rows), scales, _row_array([one, one], rows)
 
   return grouped(sums, q_scale, k_scale)
 
@@ -815,7 +840,8 @@ def attention_forward(
       soft cap they would otherwise become −cap.
     k_group_scales: f32 ``[B, K, S_pad / block_kv · 32]``: what
       :func:`group_key_scales` makes of ``k_scale`` (e.g. written by the K
-      pass), taken where :func:`uses_group_key_scales`; made here if None.
+      pass; with ``tiling.alpha_hint`` its 1.0 entries too), taken where
+      :func:`uses_group_key_scales`; made here if None.
 
   Returns:
     (output in ``out_dtype`` and ``out_layout``, natural-log LSE f32
@@ -1185,13 +1211,15 @@ def attention_forward(
         with jax.named_scope("row_max"):
           if use_grouped:
             from_ref = group_slot is not None
-            row_max, factors = grouped_logits(
+            read_one = from_ref and tiling.alpha_hint
+            row_max, factors, *one = grouped_logits(
                 sums, qs, ksg_smem.at[group_slot] if from_ref else ks,
-                from_ref)
+                from_ref, read_one)
             if from_ref:  # the slot's grouped scales read: release it
               plgpu.barrier_arrive(k_free.at[group_slot])
             m_new = jnp.maximum(m, qs * row_max)
           else:
+            one = []
             t = x if scaled else logits(x, keys, j, masked)
             t_max = t.max(axis=1)
             m_new = jnp.maximum(m, t_max if row_scaled else qs * t_max)
@@ -1218,7 +1246,9 @@ def attention_forward(
             p_op = _as_pv_operand(p.astype(pv_dtype))
           else:
             p_op = p.astype(pv_dtype)
-        return p_op, lax.broadcast_in_dim(alpha, (bq, pv_cols), [0]), m_new, l
+        alpha_out = alpha * one[0] if one else alpha  # (alpha_hint)
+        return (p_op, lax.broadcast_in_dim(alpha_out, (bq, pv_cols), [0]),
+                m_new, l)
 
       def v_tile(slot, part: int = 0):
         cols = pl.ds(part * pv_cols, pv_cols)

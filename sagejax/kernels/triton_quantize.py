@@ -27,7 +27,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from sagejax import quant
 from sagejax.config import SageConfig
-from sagejax.kernels._common import GROUP_SCALES_PER_STEP, round_half_even
+from sagejax.kernels._common import (GROUP_SCALES_ONE, GROUP_SCALES_PER_STEP,
+                                     round_half_even)
 
 
 class Pass(NamedTuple):
@@ -244,6 +245,7 @@ def _quantize_qk_kernel(x_ref, len_ref, mean_ref, kbar_ref, v_ref, val_ref,
     slots = (first + jnp.arange(block // 64)[:, None]
              + step_blocks * jnp.arange(4)[None, :])  # [c][64 keys]
     group_ref[slots] = jnp.where(nan > 0, jnp.nan, top)
+    group_ref[GROUP_SCALES_ONE] = jnp.float32(1.0)  # (every program: same)
   if shift_ref is not None:
     shift_ref[...] = shift * shift_mult
   if v_ref is not None:
@@ -305,7 +307,7 @@ def quantize_qk_pass(x: jax.Array, lengths: jax.Array,
       ``block_k``): what :func:`sagejax.kernels.mosaic_attention.
       group_key_scales` makes of the scales, without its XLA kernels (the
       padding after each step's ``4 · group_scale_keys / 64`` entries is
-      left unwritten).
+      left unwritten, but for the last entry's 1.0).
 
   Returns:
     (values int8 ``[B, N, T, H]`` or INT4-packed ``[B, N, T, H/2]``, scales
