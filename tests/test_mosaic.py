@@ -1341,10 +1341,6 @@ H64_KERNEL_TILINGS = {
     "persistent_three_consumers_exp_turns_5_ctas": MosaicTiling(
         persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
         producer_registers=32, schedule_exp=True),
-    # the same with α times the grouped scales' 1.0 (the H=128 default)
-    "persistent_three_consumers_alpha_hint_5_ctas": MosaicTiling(
-        persistent=True, num_ctas=5, num_consumers=3, consumer_registers=160,
-        producer_registers=32, schedule_exp=True, alpha_hint=True),
 }
 
 
