@@ -3,7 +3,7 @@
     MOSAIC_GPU_DUMP_PTX=1 python benchmarks/mosaic_check.py --compile-only \
         --shapes 4,32,4096,256,0 --kernel-variants "..." > log.txt 2>&1
     python benchmarks/mosaic_sass.py log.txt --out $OUT/kernel \
-        [--contains cp.reduce.async.bulk]
+        [--contains cp.reduce.async.bulk | --all]
 
 ``MOSAIC_GPU_DUMP_SASS=1`` fails on the GPU machines' image ("nvdisasm
 invocation failed": Mosaic looks for ``nvdisasm`` beside the ``ptxas`` it
@@ -13,7 +13,10 @@ uses, not on the PATH), so this assembles the first kernel's PTX in the log
 prints ptxas's report, then each loop of the kernel (a backward branch's
 span) with its opcode counts: local-memory traffic (``STL``/``LDL``) inside
 the consumers' KV loops is what costs (benchmarks/NOTES.md, Mosaic
-section 18).
+section 18). ``--all``: every module of the log, in order (one per kernel
+compiled: e.g. the variants of one A/B run), as ``OUT_m<i>.*``; register
+moves (``IMAD``/``MOV``) in a KV loop are worth comparing too (section
+55).
 """
 
 from __future__ import annotations
@@ -53,7 +56,10 @@ def ptx_modules(log: str) -> list[str]:
   modules = []
   for i, start in enumerate(starts):
     body = log[start:starts[i + 1] if i + 1 < len(starts) else len(log)]
-    modules.append(body[:body.rfind("}") + 1] + "\n")
+    # A function ends with a "}" alone on its line; the log's other output
+    # after the last module may hold braces of its own.
+    end = (body + "\n").rfind("\n}\n")
+    modules.append(body[:end + 2 if end >= 0 else len(body)] + "\n")
   return modules
 
 
@@ -94,6 +100,29 @@ def loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
   return spans
 
 
+def assemble(ptx: str, out: str, cuda: str | None, arch: str) -> None:
+  """``ptx`` → ``out``.ptx/.cubin/.sass; prints ptxas's report and the
+  kernel's loops."""
+  with open(out + ".ptx", "w") as f:
+    f.write(ptx)
+  r = subprocess.run([cuda_tool("ptxas", cuda), "-v", "-O3",
+                      "--gpu-name", arch, "-o", out + ".cubin",
+                      out + ".ptx"], capture_output=True, text=True,
+                     check=True)
+  print(r.stderr.strip())
+  sass = subprocess.run([cuda_tool("nvdisasm", cuda), "-ndf", "-c",
+                         out + ".cubin"], capture_output=True,
+                        text=True, check=True).stdout
+  with open(out + ".sass", "w") as f:
+    f.write(sass)
+  for lo, hi, ops in loops(sass):
+    if hi - lo < 40:
+      continue  # barrier waits and other short spin loops
+    top = ", ".join(f"{k} {v}" for k, v in ops.most_common(12))
+    print(f"loop at lines {lo}-{hi}: {sum(ops.values())} instructions, "
+          f"STL {ops['STL']} LDL {ops['LDL']} | {top}")
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("log")
@@ -102,27 +131,17 @@ def main():
   p.add_argument("--arch", default="sm_90a")
   p.add_argument("--contains", default=None,
                  help="take the first module whose PTX holds this text")
+  p.add_argument("--all", action="store_true",
+                 help="every module of the log, as OUT_m<i>.*")
   args = p.parse_args()
   with open(args.log) as f:
-    ptx = pick_module(f.read(), args.contains)
-  with open(args.out + ".ptx", "w") as f:
-    f.write(ptx)
-  r = subprocess.run([cuda_tool("ptxas", args.cuda), "-v", "-O3",
-                      "--gpu-name", args.arch, "-o", args.out + ".cubin",
-                      args.out + ".ptx"], capture_output=True, text=True,
-                     check=True)
-  print(r.stderr.strip())
-  sass = subprocess.run([cuda_tool("nvdisasm", args.cuda), "-ndf", "-c",
-                         args.out + ".cubin"], capture_output=True,
-                        text=True, check=True).stdout
-  with open(args.out + ".sass", "w") as f:
-    f.write(sass)
-  for lo, hi, ops in loops(sass):
-    if hi - lo < 40:
-      continue  # barrier waits and other short spin loops
-    top = ", ".join(f"{k} {v}" for k, v in ops.most_common(12))
-    print(f"loop at lines {lo}-{hi}: STL {ops['STL']} LDL {ops['LDL']} "
-          f"| {top}")
+    log = f.read()
+  if not args.all:
+    assemble(pick_module(log, args.contains), args.out, args.cuda, args.arch)
+    return
+  for i, ptx in enumerate(ptx_modules(log)):
+    print(f"=== module {i}", flush=True)
+    assemble(ptx, f"{args.out}_m{i}", args.cuda, args.arch)
 
 
 if __name__ == "__main__":
