@@ -539,7 +539,7 @@ def grouped_logits(sums: jax.Array, q_scale: jax.Array, k_scale,
                                  layout=plgpu.Layout.WGMMA.reduce(1)),)
          if read_one else ()))
   def grouped(_, sums, q, k):
-    mgpu, fa, ir, arith, _ = _mgpu()
+    mgpu, fa, ir, arith, vector = _mgpu()
     s_regs = _wgmma_rows(sums.registers)
     q_vals = [_element(x, 0) for x in q.registers.reshape(2)]
     k_vals = (_thread_group_scales(k, n // 64) if from_ref
@@ -565,7 +565,6 @@ def grouped_logits(sums: jax.Array, q_scale: jax.Array, k_scale,
                                   _is_signed=None)
     if not read_one:
       return _row_array(row_max, rows), scales
-    vector = _mgpu()[4]
     one = _element(vector.load(
         ir.VectorType.get((1,), ir.F32Type.get()), k,
         [arith.constant(ir.IndexType.get(), GROUP_SCALES_ONE)]))
