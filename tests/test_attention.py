@@ -220,14 +220,17 @@ def test_layouts_unbatched_and_implementation(qkv):
   """BNTH is BTNH transposed; 3-D inputs; implementation="xla" is the default
   on CPU."""
   q, k, v = qkv(2, 70, 90, 4, 2, 64, kind="channel_bias")
-  out = attention(q, k, v, is_causal=True)
+  # Jitted, 2x faster here than eager (test_grad's test_jit_matches_eager).
+  attend = jax.jit(functools.partial(attention, is_causal=True),
+                   static_argnames=("layout",))
+  out = attend(q, k, v)
   t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-  np.testing.assert_array_equal(
-      t(attention(t(q), t(k), t(v), is_causal=True, layout="BNTH")), out)
-  np.testing.assert_array_equal(
-      attention(q[1], k[1], v[1], is_causal=True), out[1])
-  out_lse = sagejax.attention(q[1], k[1], v[1], is_causal=True,
-                              implementation="xla", return_lse=True)
+  np.testing.assert_array_equal(t(attend(t(q), t(k), t(v), layout="BNTH")),
+                                out)
+  np.testing.assert_array_equal(attend(q[1], k[1], v[1]), out[1])
+  out_lse = jax.jit(functools.partial(
+      sagejax.attention, is_causal=True, implementation="xla",
+      return_lse=True))(q[1], k[1], v[1])
   np.testing.assert_array_equal(out_lse[0], out[1])
   assert out_lse[1].shape == (4, 70)
 
