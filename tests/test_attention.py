@@ -412,16 +412,15 @@ def _optimized(f, *args):
                                                 causal in ANCHORS}))
 def test_no_worse_than_sageattention(kind, causal, qkv):
   """Every preset with an anchor for these inputs, on the same inputs and
-  against one exact reference. Measured (cos / rel L1 / RMSE), ours over
-  seeds vs theirs: sage2-8b normal (15 seeds): 0.999260-0.999293 /
-  0.0376-0.0385 / 0.000978-0.000989 (theirs 0.999257 / 0.03853 / 0.00098:
-  RMSE above it in 7 of 15 seeds); causal (15 seeds): 0.999382-0.999398 / 0.0364-0.0368 /
+  against one exact reference. Measured (cos / rel L1 / RMSE), ours over seeds
+  vs theirs: sage2-8b normal (15 seeds): 0.999260-0.999293 / 0.0376-0.0385 /
+  0.000978-0.000989 (theirs 0.999257 / 0.03853 / 0.00098: RMSE above it in 7 of
+  15 seeds); causal (15 seeds): 0.999382-0.999398 / 0.0364-0.0368 /
   0.002383-0.002409 (0.999386 / 0.03690 / 0.00241: cos below it in 4 of 15);
-  channel bias (5 seeds): 0.999999 / 0.00153-0.00156 / 0.0067-0.0072
-  (0.999999 / 0.00193 / 0.00856). sage1 (5 seeds) normal: 0.999913-0.999915 /
-  0.0130-0.0131 / 0.000337-0.000339 (0.999912 / 0.01319 / 0.00034); channel
-  bias: 1.000000 / 0.00020-0.00021 / 0.00088-0.00093 (1.000000 / 0.00021 /
-  0.00094).
+  channel bias (5 seeds): 0.999999 / 0.00153-0.00156 / 0.0067-0.0072 (0.999999 /
+  0.00193 / 0.00856). sage1 (5 seeds) normal: 0.999913-0.999915 / 0.0130-0.0131
+  / 0.000337-0.000339 (0.999912 / 0.01319 / 0.00034); channel bias: 1.000000 /
+  0.00020-0.00021 / 0.00088-0.00093 (1.000000 / 0.00021 / 0.00094).
   """
   q, k, v = qkv(2, 4096, 4096, 8, 8, 128, kind=kind)
   want = _optimized(functools.partial(_exact_by_head, is_causal=causal),
