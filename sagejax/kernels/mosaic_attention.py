@@ -411,9 +411,9 @@ def group_key_scales(k_scale: jax.Array, block_kv: int) -> jax.Array:
   x = k_scale.reshape(b, kh, steps, blocks, 8, 4, 2)
   x = jnp.max(x, axis=(4, 6))  # [.., step, block, c]
   x = jnp.swapaxes(x, 3, 4).reshape(b, kh, steps, 4 * blocks)
-  pad = jnp.zeros((b, kh, steps, GROUP_SCALES_PER_STEP - 4 * blocks),
-                  x.dtype).at[..., GROUP_SCALES_ONE - 4 * blocks].set(1.0)
-  x = jnp.concatenate([x, pad], axis=3)
+  x = jnp.pad(x, ((0, 0), (0, 0), (0, 0),
+                  (0, GROUP_SCALES_PER_STEP - 4 * blocks)))
+  x = x.at[..., GROUP_SCALES_ONE].set(1.0)
   return x.reshape(b, kh, steps * GROUP_SCALES_PER_STEP)
 
 
